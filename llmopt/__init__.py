@@ -1,0 +1,3 @@
+"""llmopt: quantize, convert and validate large language models."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,79 @@
+"""The `llmopt` command: global options, the command table, and turning errors into exit codes.
+
+Exit codes: 0 success, 1 a quality gate or check failed, 2 bad input or usage, 3 an internal error.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Annotated, Optional
+
+import click
+import typer
+
+import llmopt
+from llmopt.cli import convert, inspect
+from llmopt.cli.common import DeviceOpt, JsonOpt, Settings, VerboseOpt, err
+from rich.markup import escape
+
+from llmopt.errors import LlmoptError
+
+app = typer.Typer(
+    name="llmopt",
+    help="Quantize, convert and validate large language models.",
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.command("inspect")(inspect.inspect_command)
+app.command("convert")(convert.convert_command)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"llmopt {llmopt.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    ctx: typer.Context,
+    json_out: JsonOpt = False,
+    device: DeviceOpt = None,
+    verbose: VerboseOpt = 0,
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")] = None,
+) -> None:
+    """Quantize, convert and validate large language models."""
+    ctx.obj = Settings(json=json_out, device=device or "auto", verbose=verbose)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    verbose = any(a in ("-v", "-vv", "--verbose") for a in argv)
+    try:
+        rv = app(args=argv, prog_name="llmopt", standalone_mode=False)
+    except click.exceptions.Abort:
+        err.print("aborted")
+        return 130
+    except click.ClickException as e:
+        hint = f" (try '{e.ctx.command_path} --help')" if getattr(e, "ctx", None) is not None else ""
+        err.print(f"[bold red]error:[/] {escape(e.format_message() + hint)}", markup=True, soft_wrap=True)
+        return 2
+    except LlmoptError as e:
+        err.print(f"[bold red]error:[/] {escape(str(e))}", markup=True, soft_wrap=True)
+        return e.exit_code
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return 130
+    except Exception as e:  # a bug: one line by default, the traceback with -v
+        if verbose:
+            traceback.print_exc()
+        err.print(f"[bold red]internal error:[/] {escape(f'{type(e).__name__}: {e}')} (run with -v for the traceback)", markup=True, soft_wrap=True)
+        return 3
+    return rv if isinstance(rv, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""A normalized description of a decoder's architecture, read from an HF config or GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from llmopt.errors import InputError
+from llmopt.model.families import Family, family_for_gguf, family_for_hf
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    family: Family
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. the original hf architecture name
+
+    @property
+    def hf_architecture(self) -> str:
+        return self.extra.get("hf_architecture", self.family.hf_architectures[0])
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["family"] = self.family.name
+        d["hf_architecture"] = self.hf_architecture
+        d.pop("extra")
+        return d
+
+    # ---------------------------------------------------------------- HF config.json
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ArchSpec:
+        family = family_for_hf(cfg.get("architectures"), cfg.get("model_type"))
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            rope = cfg.get("rope_parameters") or {}
+            rope_scaling = cfg.get("rope_scaling")
+            if rope_scaling is None and rope.get("rope_type", "default") != "default":
+                rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+            return cls(
+                family=family,
+                hidden_size=hidden,
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                intermediate_size=int(cfg["intermediate_size"]),
+                vocab_size=int(cfg["vocab_size"]),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", family.qkv_bias)),
+                rope_scaling=rope_scaling,
+                sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+                extra={"hf_architecture": (cfg.get("architectures") or [family.hf_architectures[0]])[0]},
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"config.json is missing or has a bad value for {e}") from None
+
+    def to_hf_config(self, dtype: str) -> dict[str, Any]:
+        """A config.json that transformers, vLLM and llmopt read back to this same spec."""
+        cfg: dict[str, Any] = {
+            "architectures": [self.hf_architecture],
+            "model_type": self.family.hf_model_type,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "torch_dtype": dtype,
+        }
+        if self.family.name != "qwen2":
+            cfg["attention_bias"] = self.attention_bias
+            cfg["mlp_bias"] = False
+        if self.rope_scaling:
+            cfg["rope_scaling"] = dict(self.rope_scaling)
+        if self.family.name == "mistral":
+            cfg["sliding_window"] = self.sliding_window
+        if self.family.name == "qwen2":
+            cfg["use_sliding_window"] = False
+        return cfg
+
+    # ---------------------------------------------------------------- GGUF metadata
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any], tensor_names: set[str]) -> ArchSpec:
+        arch = meta.get("general.architecture")
+        if not isinstance(arch, str):
+            raise InputError("GGUF file has no general.architecture")
+        family = family_for_gguf(arch)
+
+        def key(name: str, default: Any = None) -> Any:
+            value = meta.get(f"{arch}.{name}", default)
+            if value is None:
+                raise InputError(f"GGUF metadata is missing {arch}.{name}")
+            return value
+
+        hidden = int(key("embedding_length"))
+        heads = int(key("attention.head_count"))
+        kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
+        head_dim = int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // heads)
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
+        if vocab is None:
+            raise InputError(f"GGUF metadata has neither {arch}.vocab_size nor a token list")
+        rope_scaling = None
+        if meta.get(f"{arch}.rope.scaling.type") in ("linear", "yarn"):
+            rope_scaling = {
+                "rope_type": meta[f"{arch}.rope.scaling.type"],
+                "factor": float(meta.get(f"{arch}.rope.scaling.factor", 1.0)),
+            }
+            if f"{arch}.rope.scaling.original_context_length" in meta:
+                rope_scaling["original_max_position_embeddings"] = int(meta[f"{arch}.rope.scaling.original_context_length"])
+        return cls(
+            family=family,
+            hidden_size=hidden,
+            num_layers=int(key("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(kv_heads),
+            head_dim=head_dim,
+            intermediate_size=int(key("feed_forward_length")),
+            vocab_size=int(vocab),
+            max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
+            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            rope_scaling=rope_scaling,
+        )

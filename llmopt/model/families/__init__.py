@@ -1,0 +1,39 @@
+"""The model families llmopt supports, one short module each, and lookups over them."""
+
+from llmopt.errors import InputError
+from llmopt.model.families.base import Family
+from llmopt.model.families.llama import LLAMA
+from llmopt.model.families.mistral import MISTRAL
+from llmopt.model.families.qwen2 import QWEN2
+
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2)
+
+
+def supported_architectures() -> str:
+    return ", ".join(a for f in FAMILIES for a in f.hf_architectures)
+
+
+def family_for_hf(architectures: list[str] | None, model_type: str | None) -> Family:
+    """The family of an HF config, from `architectures` (preferred) or `model_type`."""
+    for arch in architectures or []:
+        for family in FAMILIES:
+            if arch in family.hf_architectures:
+                return family
+    if not architectures:
+        for family in FAMILIES:
+            if model_type == family.hf_model_type:
+                return family
+    named = ", ".join(architectures or []) or repr(model_type)
+    raise InputError(f"unsupported architecture {named}; supported: {supported_architectures()}")
+
+
+def family_for_gguf(gguf_arch: str) -> Family:
+    """The family of a GGUF file's `general.architecture` (Mistral files say "llama")."""
+    for family in FAMILIES:
+        if family.gguf_arch == gguf_arch and family.reads_gguf:
+            return family
+    gguf_names = sorted({f.gguf_arch for f in FAMILIES})
+    raise InputError(f"unsupported GGUF architecture {gguf_arch!r}; supported: {', '.join(gguf_names)}")
+
+
+__all__ = ["FAMILIES", "Family", "family_for_gguf", "family_for_hf", "supported_architectures"]

@@ -1,0 +1,11 @@
+"""Llama 2/3, SmolLM, TinyLlama: the reference Llama decoder (llama3 rope scaling optional)."""
+
+from llmopt.model.families.base import Family
+
+LLAMA = Family(
+    name="llama",
+    hf_architectures=("LlamaForCausalLM",),
+    hf_model_type="llama",
+    gguf_arch="llama",
+    permute_qk=True,
+)

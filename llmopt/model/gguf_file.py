@@ -1,0 +1,104 @@
+"""A GGUF file: metadata, tensors of any type (dequantized on demand), and its tokenizer.
+
+The container is parsed by the `gguf` package's reader and tensors are dequantized with its
+reference code; names are mapped to HF names and llama.cpp's Q/K row permutation is undone, so
+callers see exactly what an HF directory would hold.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from llmopt.errors import InputError
+from llmopt.model.arch import ArchSpec
+from llmopt.model.families.base import GGUF_ONLY, unpermute_from_gguf
+from llmopt.model.source import ModelSource, TensorInfo
+from llmopt.model.tokenizer import TokenizerInfo, tokenizer_from_gguf
+
+GGUF_MAGIC = b"GGUF"
+
+
+class GGUFSource(ModelSource):
+    kind = "gguf"
+
+    def __init__(self, path: Path):
+        self.path = path
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            magic = f.read(4)
+        if magic != GGUF_MAGIC:
+            raise InputError(f"{path}: not a GGUF file (bad magic {magic!r})")
+        try:
+            self._reader = GGUFReader(path)
+        except Exception as e:  # the reader raises ValueError, struct.error, IndexError... on damage
+            raise InputError(f"{path}: corrupt or truncated GGUF ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'unreadable'})") from None
+        for t in self._reader.tensors:
+            if t.data_offset + t.n_bytes > size:
+                raise InputError(f"{path}: truncated GGUF (tensor {t.name} ends past the end of the file)")
+        self.metadata = read_metadata(self._reader)
+        self._by_stored = {t.name: t for t in self._reader.tensors}
+        self.arch = ArchSpec.from_gguf_metadata(self.metadata, set(self._by_stored))
+        family = self.arch.family
+        self.tensors = {}
+        self.unmapped: list[str] = []  # GGUF-only tensors (rope_freqs) kept out of the HF view
+        for t in self._reader.tensors:
+            hf = family.gguf_to_hf_name(t.name)
+            if hf is None:
+                if t.name not in GGUF_ONLY:
+                    raise InputError(f"{path}: unknown tensor {t.name!r} for architecture {family.gguf_arch}")
+                self.unmapped.append(t.name)
+                continue
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            self.tensors[hf] = TensorInfo(hf, t.name, shape, t.tensor_type.name, int(t.n_bytes))
+        self._tokenizer: TokenizerInfo | None = None
+        self._tokenizer_read = False
+
+    def stored_tensor(self, stored_name: str):  # the gguf ReaderTensor, for tools that need raw blocks
+        return self._by_stored[stored_name]
+
+    def load(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        info = self.tensors[name]
+        raw = self._by_stored[info.stored_name]
+        qtype = raw.tensor_type
+        if qtype == GGMLQuantizationType.F32:
+            t = torch.from_numpy(np.array(raw.data, dtype=np.float32))
+        elif qtype == GGMLQuantizationType.F16:
+            t = torch.from_numpy(np.array(raw.data, dtype=np.float16))
+        elif qtype == GGMLQuantizationType.BF16:
+            t = torch.from_numpy(np.array(raw.data).view(np.int16)).view(torch.bfloat16)
+        else:
+            t = torch.from_numpy(dequantize(raw.data, qtype))
+        t = t.reshape(info.shape)
+        heads = self.arch.family.qk_heads(name, self.arch.num_heads, self.arch.num_kv_heads)
+        if heads is not None:
+            t = unpermute_from_gguf(t, heads)
+        return t if dtype is None else t.to(dtype)
+
+    def tokenizer(self) -> TokenizerInfo | None:
+        if not self._tokenizer_read:
+            self._tokenizer = tokenizer_from_gguf(self.metadata)
+            self._tokenizer_read = True
+        return self._tokenizer
+
+    def close(self) -> None:
+        self._by_stored.clear()
+        self._reader = None  # drops the memory map
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """All key/value pairs of a GGUF file as Python values (arrays as lists)."""
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception as e:
+            raise InputError(f"{reader.data.filename if hasattr(reader.data, 'filename') else 'GGUF'}: unreadable metadata {key!r} ({e})") from None
+    return meta

@@ -1,0 +1,102 @@
+"""An HF model directory: config.json, safetensors (single or sharded with an index), tokenizer.json.
+
+Tensors are read by memory map through safetensors; nothing is unpickled (.bin files are refused).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from llmopt.errors import InputError
+from llmopt.model.arch import ArchSpec
+from llmopt.model.source import ModelSource, TensorInfo
+from llmopt.model.tokenizer import TokenizerInfo, tokenizer_from_hf_dir
+
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+             "F8_E4M3": 1, "F8_E5M2": 1}
+# HF-side tensors that carry no weights (old checkpoints store rotary buffers).
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+class HFDirSource(ModelSource):
+    kind = "hf"
+
+    def __init__(self, path: Path):
+        self.path = path
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise InputError(f"{path}: not an HF model directory (no config.json)")
+        try:
+            self.config: dict[str, Any] = json.loads(config_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InputError(f"{config_path}: not valid JSON ({e})") from None
+        self.arch = ArchSpec.from_hf_config(self.config)
+        self.quantization_config = self.config.get("quantization_config")
+        self._handles: dict[Path, Any] = {}
+        self._file_of: dict[str, Path] = {}
+        self.tensors = {}
+        for file in self._weight_files():
+            handle = self._open(file)
+            for name in handle.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                sl = handle.get_slice(name)
+                shape = tuple(int(d) for d in sl.get_shape())
+                dtype = sl.get_dtype()
+                numel = 1
+                for d in shape:
+                    numel *= d
+                self.tensors[name] = TensorInfo(name, name, shape, dtype, numel * _ITEMSIZE.get(dtype, 0))
+                self._file_of[name] = file
+        if not self.tensors:
+            raise InputError(f"{path}: the safetensors files hold no tensors")
+        self.metadata = {k: self.config[k] for k in ("torch_dtype", "dtype", "transformers_version", "_name_or_path") if k in self.config}
+        self._tokenizer: TokenizerInfo | None = None
+        self._tokenizer_read = False
+
+    def _weight_files(self) -> list[Path]:
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise InputError(f"{index}: not a valid safetensors index ({e})") from None
+            files = [self.path / f for f in dict.fromkeys(weight_map.values())]
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise InputError(f"{self.path}: shards listed in the index are missing: {', '.join(missing)}")
+            return files
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            pickled = [p.name for p in self.path.glob("*.bin")] + [p.name for p in self.path.glob("*.pt*")]
+            hint = " (pickled .bin/.pt weights are not read; convert them to safetensors)" if pickled else ""
+            raise InputError(f"{self.path}: no safetensors weights{hint}")
+        return files
+
+    def _open(self, file: Path) -> Any:
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except Exception as e:  # SafetensorError is not exported under a stable name
+            raise InputError(f"{file}: not a valid safetensors file ({str(e).splitlines()[0]})") from None
+        self._handles[file] = handle
+        return handle
+
+    def load(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        if name not in self.tensors:
+            raise KeyError(name)
+        t = self._handles[self._file_of[name]].get_tensor(name)
+        return t if dtype is None or not t.is_floating_point() else t.to(dtype)
+
+    def tokenizer(self) -> TokenizerInfo | None:
+        if not self._tokenizer_read:
+            self._tokenizer = tokenizer_from_hf_dir(self.path)
+            self._tokenizer_read = True
+        return self._tokenizer
+
+    def close(self) -> None:
+        self._handles.clear()

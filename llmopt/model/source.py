@@ -1,0 +1,69 @@
+"""`ModelSource`: one lazy, read-only view over any model llmopt can read.
+
+Tensors are addressed by their HF names and come back in HF orientation ([out, in] for linears),
+dequantized on demand, one at a time: no source ever loads the whole model.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmopt.model.arch import ArchSpec
+from llmopt.model.tokenizer import TokenizerInfo
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str  # HF name
+    stored_name: str  # the name inside the file (llama.cpp's for GGUF)
+    shape: tuple[int, ...]  # HF orientation
+    dtype: str  # storage type: "F16", "BF16", "F32", "Q4_1", "I32", ...
+    nbytes: int  # bytes on disk
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class ModelSource(ABC):
+    """A model on disk: architecture, tensors, tokenizer and metadata, read lazily."""
+
+    kind: str  # "hf" or "gguf"
+    path: Path
+    arch: ArchSpec
+    tensors: dict[str, TensorInfo]  # HF name -> info, in file order
+    metadata: dict[str, Any]
+    quantization_config: dict[str, Any] | None = None
+
+    @abstractmethod
+    def load(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """One tensor by HF name, dequantized and in HF layout; `dtype=None` keeps a float file's dtype."""
+
+    @abstractmethod
+    def tokenizer(self) -> TokenizerInfo | None:
+        """The model's tokenizer, or None when the source carries none."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release file handles and memory maps."""
+
+    def __enter__(self) -> ModelSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(t.numel for t in self.tensors.values())
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())

@@ -1,0 +1,218 @@
+"""Tokenizers: read from an HF directory, or rebuilt from GGUF metadata the way llama.cpp tokenizes.
+
+A GGUF file stores the vocabulary, merges (or scores) and a `tokenizer.ggml.pre` name for the
+pre-tokenizer. We rebuild a `tokenizers.Tokenizer` with the same split regexes llama.cpp applies
+for that name (llama.cpp's `llama-vocab.cpp` is the authority), so ids match llama.cpp's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+from llmopt.errors import InputError
+
+# Split regexes, applied in sequence like llama.cpp's `regex_exprs` for each pre-tokenizer name.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZER_SPLITS: dict[str, list[str]] = {
+    **{name: [_GPT2] for name in ("default", "gpt-2", "gpt2", "mpt", "olmo", "jais")},
+    **{name: [r"\p{N}", _GPT2] for name in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")},
+    **{name: [_LLAMA3] for name in ("llama3", "llama-v3", "llama-bpe", "dbrx", "smaug-bpe", "falcon3")},
+    **{name: [_QWEN2] for name in ("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez")},
+}
+
+# llama.cpp token types (gguf.TokenType): 3 = control (special), 4 = user-defined (matched whole).
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+@dataclass
+class TokenizerInfo:
+    tokenizer: Tokenizer
+    kind: str  # "bpe" (byte-level) or "sentencepiece"
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    add_bos: bool = False
+    add_eos: bool = False
+    chat_template: str | None = None
+    pre: str | None = None  # GGUF pre-tokenizer name, when known
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, token: str | None) -> int | None:
+        return None if token is None else self.tokenizer.token_to_id(token)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def summary(self) -> dict[str, Any]:
+        specials = {k: getattr(self, f"{k}_token") for k in ("bos", "eos", "pad", "unk")}
+        return {
+            "kind": self.kind,
+            "pre_tokenizer": self.pre,
+            "vocab_size": self.vocab_size,
+            "special_tokens": {k: {"token": v, "id": self.token_id(v)} for k, v in specials.items() if v is not None},
+            "add_bos": self.add_bos,
+            "add_eos": self.add_eos,
+            "chat_template": self.chat_template is not None,
+        }
+
+    def save_hf(self, directory: Path, model_max_length: int) -> None:
+        """tokenizer.json + tokenizer_config.json + special_tokens_map.json, as transformers writes them."""
+        self.tokenizer.save(str(directory / "tokenizer.json"))
+        specials = {f"{k}_token": getattr(self, f"{k}_token") for k in ("bos", "eos", "pad", "unk")}
+        specials = {k: v for k, v in specials.items() if v is not None}
+        config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **specials,
+            "add_bos_token": self.add_bos,
+            "add_eos_token": self.add_eos,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": model_max_length,
+        }
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        (directory / "special_tokens_map.json").write_text(json.dumps(specials, indent=2, ensure_ascii=False) + "\n")
+
+
+# ------------------------------------------------------------------------------------- HF dirs
+def tokenizer_from_hf_dir(directory: Path) -> TokenizerInfo | None:
+    """The tokenizer of an HF directory (tokenizer.json), or None when it has none."""
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        raise InputError(f"{path}: cannot read tokenizer ({str(e).splitlines()[0]})") from None
+    cfg: dict[str, Any] = {}
+    if (directory / "tokenizer_config.json").is_file():
+        cfg = json.loads((directory / "tokenizer_config.json").read_text())
+
+    def special(key: str) -> str | None:
+        v = cfg.get(key)
+        return v.get("content") if isinstance(v, dict) else v
+
+    model = json.loads(tok.to_str()).get("model", {})
+    kind = "sentencepiece" if model.get("byte_fallback") else model.get("type", "unknown").lower()
+    return TokenizerInfo(
+        tokenizer=tok,
+        kind=kind,
+        bos_token=special("bos_token"),
+        eos_token=special("eos_token"),
+        pad_token=special("pad_token"),
+        unk_token=special("unk_token"),
+        add_bos=bool(cfg.get("add_bos_token", False)),
+        add_eos=bool(cfg.get("add_eos_token", False)),
+        chat_template=cfg.get("chat_template") if isinstance(cfg.get("chat_template"), str) else None,
+    )
+
+
+# ------------------------------------------------------------------------------------- GGUF
+def tokenizer_from_gguf(meta: dict[str, Any]) -> TokenizerInfo | None:
+    """Rebuild the tokenizer a GGUF file describes, or None when the file has no vocabulary."""
+    tokens: list[str] | None = meta.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        return None
+    model = meta.get("tokenizer.ggml.model")
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    pre = meta.get("tokenizer.ggml.pre")
+    if model == "gpt2":
+        tok = _byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges") or [], pre)
+        kind = "bpe"
+    elif model == "llama":
+        scores = meta.get("tokenizer.ggml.scores")
+        if scores is None:
+            raise InputError("GGUF sentencepiece tokenizer has no tokenizer.ggml.scores")
+        tok = _sentencepiece_bpe(tokens, list(scores), types, bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
+        kind = "sentencepiece"
+    else:
+        raise InputError(f"unsupported GGUF tokenizer model {model!r}; supported: gpt2 (byte-level BPE), llama (sentencepiece)")
+
+    # Control tokens are special; user-defined ones are matched whole but are ordinary text.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+
+    def token_at(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    info = TokenizerInfo(
+        tokenizer=tok,
+        kind=kind,
+        bos_token=token_at("bos"),
+        eos_token=token_at("eos"),
+        pad_token=token_at("padding"),
+        unk_token=token_at("unknown"),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama")),
+        add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        chat_template=meta.get("tokenizer.chat_template"),
+        pre=pre,
+    )
+    _set_post_processor(info)
+    return info
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> Tokenizer:
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    splits = PRE_TOKENIZER_SPLITS.get(pre or "default", PRE_TOKENIZER_SPLITS["default"])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int], add_space_prefix: bool) -> Tokenizer:
+    """SentencePiece BPE as a `tokenizers` BPE: merges ranked by the score of the merged piece."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    candidates = []
+    for piece, score in zip(tokens, scores):
+        for k in range(1, len(piece)):
+            left, right = piece[:k], piece[k:]
+            if left in vocab and right in vocab:
+                candidates.append((-score, vocab[left], vocab[right], left, right))
+    candidates.sort()
+    merges = [(left, right) for *_, left, right in candidates]
+    unk = next((t for t, ty in zip(tokens, types) if ty == 2), None)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    norms = [normalizers.Prepend("▁")] if add_space_prefix else []
+    tok.normalizer = normalizers.Sequence(norms + [normalizers.Replace(" ", "▁")])
+    decs = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        decs.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(decs)
+    return tok
+
+
+def _set_post_processor(info: TokenizerInfo) -> None:
+    """Add BOS/EOS around an encoding exactly when the file says llama.cpp adds them."""
+    single, pair, specials = "$A", "$A $B", []
+    for token, on, prefix in ((info.bos_token, info.add_bos, True), (info.eos_token, info.add_eos, False)):
+        if on and token is not None:
+            single = f"{token} {single}" if prefix else f"{single} {token}"
+            pair = f"{token} {pair}" if prefix else f"{pair} {token}"
+            specials.append((token, info.tokenizer.token_to_id(token)))
+    if specials:
+        info.tokenizer.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=list(dict.fromkeys(specials)))
+    elif info.kind == "bpe":
+        info.tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)

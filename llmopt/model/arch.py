@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 from llmopt.errors import InputError
 from llmopt.model.families import Family, family_for_gguf, family_for_hf
 
@@ -26,7 +28,7 @@ class ArchSpec:
     attention_bias: bool
     rope_scaling: dict[str, Any] | None = None
     sliding_window: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)  # e.g. the original hf architecture name
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)  # e.g. the original HF class name
 
     @property
     def hf_architecture(self) -> str:
@@ -141,9 +143,14 @@ class ArchSpec:
             intermediate_size=int(key("feed_forward_length")),
             vocab_size=int(vocab),
             max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
-            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+            rope_theta=_f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+            rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon")),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             rope_scaling=rope_scaling,
         )
+
+
+def _f32(value: Any) -> float:
+    """A float32 from GGUF as the shortest decimal that round-trips (1e-05, not 9.99999974e-06)."""
+    return float(str(np.float32(value)))

@@ -1,0 +1,1 @@
+"""Calibration: text sources, fixed-length token samples, layer input capture, Hessians, imatrices."""

@@ -1,0 +1,1 @@
+"""The memory and speed model behind `llmopt recommend`."""

@@ -1,0 +1,5 @@
+"""Quantization: the `QuantizedTensor` in the middle, grids, RTN, GPTQ, AWQ and the layer pipeline."""
+
+from llmopt.quant.tensor import QuantizedTensor
+
+__all__ = ["QuantizedTensor"]

@@ -1,0 +1,71 @@
+"""`QuantizedTensor`: the one format-neutral value every quantizer produces and every writer consumes.
+
+A weight matrix W [out, in] is stored as integer codes on a grid plus per-group parameters:
+
+    asymmetric, integer zero point (GPTQ, AWQ):   W[o, i] = (codes[o, i] - zeros[o, g]) * scales[o, g]
+    asymmetric, float minimum (Q4_1, K-quants):   W[o, i] = codes[o, i] * scales[o, g] - mins[o, g]
+    symmetric (Q4_0, Q8_0, GPTQ sym):             W[o, i] = (codes[o, i] - 2**(bits-1)) * scales[o, g]
+
+where g = g_idx[i] (act-order permutes columns into groups) or i // group_size. `group_size` is
+-1 for one group per output row (per-channel) and 0 for one scale for the whole tensor (per-tensor).
+Algorithms never know about files; writers never know about Hessians.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class QuantizedTensor:
+    codes: torch.Tensor  # [out, in], integer dtype, values in [0, 2**bits - 1]
+    scales: torch.Tensor  # [out, n_groups] (or [1, 1] per-tensor), float
+    bits: int
+    group_size: int  # > 0 per-group, -1 per-channel, 0 per-tensor
+    zeros: torch.Tensor | None = None  # [out, n_groups], integer-valued zero points
+    mins: torch.Tensor | None = None  # [out, n_groups], float offsets (ggml's "m"/"dmin*m")
+    g_idx: torch.Tensor | None = None  # [in] group of each input column, when not i // group_size
+    grid: str | None = None  # the grid that produced the codes ("int", "Q4_K", ...), for writers
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)  # grid-specific encodings (e.g. 6-bit sub-scales)
+
+    def __post_init__(self) -> None:
+        if self.zeros is not None and self.mins is not None:
+            raise ValueError("a QuantizedTensor has either integer zeros or float mins, not both")
+        if self.codes.dim() != 2:
+            raise ValueError(f"codes must be 2-D [out, in], got {tuple(self.codes.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.codes.shape[0]), int(self.codes.shape[1]))
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zeros is None and self.mins is None
+
+    def group_index(self) -> torch.Tensor:
+        """The group of every input column, [in] int64."""
+        cols = self.shape[1]
+        if self.g_idx is not None:
+            return self.g_idx.to(torch.int64)
+        if self.group_size <= 0:
+            return torch.zeros(cols, dtype=torch.int64, device=self.codes.device)
+        return torch.arange(cols, device=self.codes.device) // self.group_size
+
+    def _per_column(self, t: torch.Tensor) -> torch.Tensor:
+        if t.shape[1] == 1:
+            return t.expand(self.shape[0], 1) if t.shape[0] == 1 else t
+        return t[:, self.group_index()]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The exact weights these codes stand for, computed in float32."""
+        q = self.codes.to(torch.float32)
+        s = self._per_column(self.scales.to(torch.float32))
+        if self.mins is not None:
+            w = q * s - self._per_column(self.mins.to(torch.float32))
+        elif self.zeros is not None:
+            w = (q - self._per_column(self.zeros.to(torch.float32))) * s
+        else:
+            w = (q - 2 ** (self.bits - 1)) * s
+        return w.to(dtype)

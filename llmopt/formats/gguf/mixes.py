@@ -1,0 +1,270 @@
+"""llama.cpp's quantization mixes: which GGML type each tensor gets under "Q4_K_M" and friends.
+
+A mix (llama.cpp's "ftype") is a default type plus per-tensor upgrades. These rules restate
+`llama_tensor_get_type` of llama.cpp's src/llama-quant.cpp for dense decoders (Llama, Mistral,
+Qwen2): the output/tied-embedding rule, the attn_v and ffn_down upgrades (`use_more_bits`), the
+attn_output upgrades, the fallbacks when a row does not divide into the type's block, `--tensor-type`
+regex overrides, and the tensors that are never quantized (1-D, norms). The `recommend` planner and
+`convert --to gguf` both call `tensor_type`, so a plan and a file always agree.
+
+llama.cpp counts attn_v and ffn_down tensors with running counters in its (layer, name) tensor
+order; for a dense model the counter equals the layer index. A tensor matched by a `--tensor-type`
+override skips the rules and so does not advance the counter: `plan_types` reproduces that.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from gguf.constants import LlamaFileType
+
+from llmopt.errors import InputError
+from llmopt.formats.gguf.types import block_geometry, ggml_type, is_quantized
+from llmopt.model.arch import ArchSpec
+
+MIXES: tuple[str, ...] = (
+    "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+    "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K",
+)  # fmt: skip
+
+# llama_ftype_get_default_type: the type every quantizable tensor starts from.
+DEFAULT_TYPE: dict[str, str] = {
+    "F16": "F16", "BF16": "BF16", "Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
+    "Q5_1": "Q5_1", "Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K",
+    "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K",
+}  # fmt: skip
+
+# tensor_type_fallback: what a type becomes when the row length does not divide into its block.
+FALLBACK: dict[str, str] = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
+def check_mix(mix: str) -> str:
+    """The canonical mix name, or an InputError listing the supported ones."""
+    name = mix.upper()
+    if name not in MIXES:
+        raise InputError(f"unknown GGUF type {mix!r}; choose one of: {', '.join(MIXES)}")
+    return name
+
+
+def file_type(mix: str) -> int:
+    """`general.file_type` (llama_ftype) of a mix."""
+    return int(LlamaFileType[f"MOSTLY_{check_mix(mix)}"])
+
+
+def use_more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama.cpp's choice of layers that get more bits: the first and last eighth, and every third."""
+    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or _c_mod(i_layer - n_layers // 8, 3) == 2
+
+
+def _c_mod(a: int, b: int) -> int:
+    """C's % (truncates toward zero), which differs from Python's for negative a."""
+    return a - b * int(a / b)
+
+
+def allows_quantization(gguf_name: str, shape: Sequence[int]) -> bool:
+    """tensor_allows_quantization for dense decoders: 2-D `*weight` tensors that are not norms."""
+    return len(shape) >= 2 and gguf_name.endswith("weight") and "_norm.weight" not in gguf_name
+
+
+def category(gguf_name: str) -> str:
+    """tensor_get_category: the role of a tensor, by llama.cpp's substring tests, in its order."""
+    if gguf_name == "output.weight":
+        return "output"
+    if gguf_name == "token_embd.weight":
+        return "token_embd"
+    for cat, key in (
+        ("attn_qkv", "attn_qkv.weight"), ("attn_kv_b", "attn_kv_b.weight"), ("attn_v", "attn_v.weight"),
+        ("attn_k", "attn_k.weight"), ("attn_q", "attn_q.weight"), ("attn_output", "attn_output.weight"),
+        ("ffn_up", "ffn_up"), ("ffn_gate", "ffn_gate"), ("ffn_down", "ffn_down"),
+    ):  # fmt: skip
+        if key in gguf_name:
+            return cat
+    return "other"
+
+
+def _is_70b(arch: ArchSpec) -> bool:
+    """llama.cpp's LLM_TYPE_70B, which bumps attn_v: 80 layers (with GQA for the llama arch)."""
+    if arch.num_layers != 80:
+        return False
+    return arch.family.gguf_arch != "llama" or arch.num_heads != arch.num_kv_heads
+
+
+def _mix_rules(cat: str, new_type: str, mix: str, arch: ArchSpec, row_length: int, i_layer: int, n_layer: int,
+               tied: bool, has_imatrix: bool, output_tensor_type: str | None) -> str:  # fmt: skip
+    """llama_tensor_get_type_impl restricted to the mixes in MIXES and dense (non-MoE) models."""
+    if cat == "output" or (tied and cat == "token_embd"):
+        if output_tensor_type is not None:
+            return output_tensor_type
+        if arch.family.gguf_arch == "falcon" or row_length % block_geometry(new_type)[0] != 0:
+            return "Q8_0"
+        return new_type if new_type == "Q8_0" else "Q6_K"
+    if cat == "token_embd":
+        return new_type
+    n_gqa = arch.num_heads // max(1, arch.num_kv_heads)
+    if cat in ("attn_v", "attn_qkv", "attn_kv_b"):
+        if mix == "Q2_K":
+            new_type = "Q4_K" if n_gqa >= 4 else "Q3_K"
+        elif mix == "Q3_K_M":
+            new_type = "Q5_K" if i_layer < 2 else "Q4_K"
+        elif mix == "Q3_K_L":
+            new_type = "Q5_K"
+        elif mix in ("Q4_K_M", "Q5_K_M") and use_more_bits(i_layer, n_layer):
+            new_type = "Q6_K"
+        elif mix == "Q4_K_S" and i_layer < 4:
+            new_type = "Q5_K"
+        if _is_70b(arch) and new_type in ("Q3_K", "Q4_K"):
+            new_type = "Q5_K"
+        return new_type
+    if cat == "ffn_down":
+        if mix == "Q2_K":
+            return "Q3_K"
+        if mix == "Q3_K_M":
+            return "Q5_K" if i_layer < n_layer // 16 else "Q4_K"
+        if mix == "Q3_K_L":
+            return "Q5_K"
+        if mix == "Q4_K_M":
+            return "Q6_K" if use_more_bits(i_layer, n_layer) else new_type
+        if mix == "Q5_K_M" and use_more_bits(i_layer, n_layer):
+            return "Q6_K"
+        if mix == "Q4_K_S" and i_layer < n_layer // 8:
+            return "Q5_K"
+        if mix in ("Q4_0", "Q5_0") and has_imatrix and i_layer < n_layer // 8:
+            return "Q4_1" if mix == "Q4_0" else "Q5_1"
+        return new_type
+    if cat == "attn_output":
+        return {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K", "Q3_K_L": "Q5_K"}.get(mix, new_type)
+    if cat == "attn_qkv":  # fused qkv (not produced by the supported families; kept for completeness)
+        return {"Q3_K_M": "Q4_K", "Q3_K_L": "Q4_K", "Q4_K_M": "Q5_K", "Q5_K_M": "Q6_K"}.get(mix, new_type)
+    return new_type
+
+
+def _fallback(type_name: str, row_length: int) -> str:
+    """tensor_type_fallback: a type whose block divides the row, else F16."""
+    if row_length % block_geometry(type_name)[0] == 0:
+        return type_name
+    if type_name not in FALLBACK:
+        raise InputError(f"no fallback type for {type_name} with rows of {row_length}")
+    fallback = FALLBACK[type_name]
+    return fallback if row_length % block_geometry(fallback)[0] == 0 else "F16"
+
+
+def _layer_of(gguf_name: str) -> int:
+    m = _LAYER.match(gguf_name)
+    return int(m.group(1)) if m else 0
+
+
+def _compile_overrides(overrides: Sequence[tuple[str, str]]) -> list[tuple[re.Pattern[str], str]]:
+    compiled = []
+    for pattern, type_name in overrides:
+        try:
+            compiled.append((re.compile(pattern), ggml_type(type_name).name))
+        except re.error as e:
+            raise InputError(f"bad --tensor-type regex {pattern!r}: {e}") from None
+    return compiled
+
+
+def tensor_type(
+    gguf_name: str,
+    shape: tuple[int, ...],
+    mix: str,
+    arch: ArchSpec,
+    *,
+    overrides: Sequence[tuple[str, str]] = (),
+    has_imatrix: bool = False,
+    output_tensor_type: str | None = None,
+    tied_embeddings: bool | None = None,
+    counter: int | None = None,
+) -> str:
+    """The GGML type llama-quantize gives tensor `gguf_name` (HF-orientation `shape`) under `mix`.
+
+    `overrides` are `--tensor-type` (regex, type) pairs, first match wins; `counter` is the tensor's
+    position among its kind (attn_v / ffn_down) when it differs from its layer index (see plan_types);
+    `tied_embeddings` defaults to the architecture's.
+    """
+    mix = check_mix(mix)
+    default = DEFAULT_TYPE[mix]
+    if not allows_quantization(gguf_name, shape):
+        return "F32"
+    cat = category(gguf_name)
+    if output_tensor_type is not None:
+        output_tensor_type = ggml_type(output_tensor_type).name
+        if cat == "output":
+            return output_tensor_type
+    if not is_quantized(default):
+        return default
+    tied = arch.tie_word_embeddings if tied_embeddings is None else tied_embeddings
+    new_type = default
+    for pattern, type_name in _compile_overrides(overrides):
+        if pattern.search(gguf_name):
+            new_type = type_name
+            break
+    else:
+        i_layer = _layer_of(gguf_name) if counter is None else counter
+        new_type = _mix_rules(cat, default, mix, arch, shape[-1], i_layer, arch.num_layers, tied, has_imatrix,
+                              output_tensor_type)  # fmt: skip
+    return _fallback(new_type, shape[-1])
+
+
+def llama_order(names: Sequence[str]) -> list[str]:
+    """Tensor names in llama.cpp's loader order: non-block tensors first, then by layer, then by name."""
+    return sorted(names, key=lambda n: (int(_LAYER.match(n).group(1)) if _LAYER.match(n) else -1, n))
+
+
+def plan_shapes(
+    shapes: dict[str, tuple[int, ...]],
+    mix: str,
+    arch: ArchSpec,
+    *,
+    overrides: Sequence[tuple[str, str]] = (),
+    has_imatrix: bool = False,
+    output_tensor_type: str | None = None,
+) -> dict[str, str]:
+    """`tensor_type` for every (gguf name -> HF shape), with llama.cpp's running counters."""
+    mix = check_mix(mix)
+    compiled = _compile_overrides(overrides)
+    tied = "output.weight" not in shapes
+    counters = {"attn_v": 0, "ffn_down": 0}
+    plan: dict[str, str] = {}
+    for name in llama_order(list(shapes)):
+        shape = shapes[name]
+        cat = category(name)
+        kind = "attn_v" if cat in ("attn_v", "attn_qkv", "attn_kv_b") else cat
+        manual = any(p.search(name) for p, _ in compiled)
+        plan[name] = tensor_type(
+            name, shape, mix, arch, overrides=overrides, has_imatrix=has_imatrix,
+            output_tensor_type=output_tensor_type, tied_embeddings=tied, counter=counters.get(kind),
+        )  # fmt: skip
+        counted = allows_quantization(name, shape) and is_quantized(DEFAULT_TYPE[mix]) and not manual
+        if kind in counters and counted:
+            counters[kind] += 1
+    return {name: plan[name] for name in shapes}
+
+
+def gguf_shapes(source) -> dict[str, tuple[int, ...]]:  # noqa: ANN001 - ModelSource (import cycle-free)
+    """GGUF name -> HF-orientation shape for every tensor a GGUF written from `source` holds."""
+    family = source.arch.family
+    shapes: dict[str, tuple[int, ...]] = {}
+    for hf_name, info in source.tensors.items():
+        gguf_name = family.hf_to_gguf_name(hf_name)
+        if gguf_name is None:
+            continue
+        if gguf_name == "output.weight" and source.arch.tie_word_embeddings:
+            continue
+        shapes[gguf_name] = tuple(info.shape)
+    return shapes
+
+
+def plan_types(
+    source,  # noqa: ANN001 - ModelSource
+    mix: str,
+    *,
+    overrides: Sequence[tuple[str, str]] = (),
+    has_imatrix: bool = False,
+    output_tensor_type: str | None = None,
+) -> dict[str, str]:
+    """GGUF tensor name -> GGML type for a GGUF of `source` under `mix`, as llama-quantize assigns."""
+    return plan_shapes(gguf_shapes(source), mix, source.arch, overrides=overrides, has_imatrix=has_imatrix,
+                       output_tensor_type=output_tensor_type)  # fmt: skip

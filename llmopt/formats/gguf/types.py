@@ -1,0 +1,55 @@
+"""GGML tensor types: block geometry and exact on-disk sizes, from the `gguf` package's table.
+
+Sizes come from `gguf.constants.GGML_QUANT_SIZES` (elements per block, bytes per block), so they are
+the ones llama.cpp uses; `tensor_nbytes` is what `--dry-run` and `recommend` add up.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from llmopt.errors import InputError
+
+# The types llmopt writes (float containers, legacy 32-blocks, K-quant 256-super-blocks).
+FLOAT_TYPES = ("F32", "F16", "BF16")
+LEGACY_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+WRITABLE_TYPES = FLOAT_TYPES + LEGACY_TYPES + K_TYPES
+
+
+def ggml_type(type_name: str) -> GGMLQuantizationType:
+    """The `gguf` enum member for a type name such as "Q4_K" (case-insensitive)."""
+    try:
+        return GGMLQuantizationType[type_name.upper()]
+    except KeyError:
+        raise InputError(f"unknown GGML type {type_name!r}; llmopt writes: {', '.join(WRITABLE_TYPES)}") from None
+
+
+def block_geometry(type_name: str) -> tuple[int, int]:
+    """(elements per block, bytes per block) of a GGML type."""
+    return GGML_QUANT_SIZES[ggml_type(type_name)]
+
+
+def is_quantized(type_name: str) -> bool:
+    """True for block types (ggml_is_quantized): everything but the plain float/int containers."""
+    return block_geometry(type_name)[0] > 1
+
+
+def row_nbytes(type_name: str, row_length: int) -> int:
+    """Bytes of one row of `row_length` elements (ggml_row_size); the row must fill whole blocks."""
+    block, nbytes = block_geometry(type_name)
+    if row_length % block:
+        raise InputError(f"{type_name} needs rows that are a multiple of {block}, got {row_length}")
+    return row_length // block * nbytes
+
+
+def tensor_nbytes(type_name: str, shape: Sequence[int]) -> int:
+    """Exact data bytes of a tensor of `shape` (HF orientation: the last dim is the row) in `type_name`."""
+    shape = tuple(int(d) for d in shape)
+    if not shape:
+        shape = (1,)
+    rows = math.prod(shape[:-1])
+    return rows * row_nbytes(type_name, shape[-1])

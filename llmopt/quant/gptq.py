@@ -1,0 +1,157 @@
+"""GPTQ (Frantar et al. 2022, "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
+Transformers"): quantize a linear layer column by column, pushing each column's rounding error onto
+the columns not yet quantized, weighted by the inverse Hessian H = 2 XᵀX of the layer's inputs.
+
+Implementation notes (our own, following the paper's algorithm):
+- H⁻¹ is taken as the upper Cholesky factor of the inverse of the damped Hessian; damping is
+  `damp` × mean(diag H), increased by `damp_step` until Cholesky succeeds (the layer is reported).
+- Dead inputs (diag H == 0, never active in calibration) get H_ii = 1 and weight 0.
+- Lazy batch updates: errors are applied inside a block of `block_size` columns, and to the rest
+  of the matrix once per block.
+- Group parameters are chosen when a group starts, from the error-updated weights (as the paper's
+  code does); `static_groups` chooses them all up front from the original weights, which keeps
+  groups contiguous under act-order.
+- `act_order` (desc_act) processes columns by decreasing H_ii; without static groups, groups are
+  formed in that order and `g_idx` records each input column's group.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from llmopt.quant.int_grid import IntGrid, group_count
+from llmopt.quant.tensor import QuantizedTensor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    bits: int = 4
+    group_size: int = 128  # > 0 per group, -1 per output channel
+    sym: bool = True
+    act_order: bool = False
+    static_groups: bool = False
+    damp: float = 0.01  # fraction of the mean Hessian diagonal added to the diagonal
+    damp_step: float = 0.01  # added to `damp` each time Cholesky fails
+    block_size: int = 128
+    mse: bool = False  # clipping search when choosing group parameters
+    zero_min: int = 0  # 1 for GPTQ v1 checkpoints (see int_grid)
+
+    def grid(self) -> IntGrid:
+        return IntGrid(self.bits, self.sym, self.zero_min, self.mse)
+
+
+@dataclass
+class GPTQResult:
+    tensor: QuantizedTensor
+    row_loss: torch.Tensor  # [out] the paper's objective per output row: Σ (w - q)² / [H⁻¹]ᵢᵢ / 2
+    damp: float  # the damping that made Cholesky succeed
+
+    @property
+    def loss(self) -> float:
+        return float(self.row_loss.sum())
+
+
+def inverse_hessian_factor(h: torch.Tensor, damp: float, damp_step: float, name: str = "") -> tuple[torch.Tensor, float]:
+    """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp·mean(diag H), raising damp until it exists."""
+    mean_diag = float(torch.diag(h).mean())
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    while True:
+        damped = h + damp * mean_diag * eye
+        lower, info = torch.linalg.cholesky_ex(damped)
+        if int(info) == 0:
+            inv = torch.cholesky_inverse(lower)
+            upper, info = torch.linalg.cholesky_ex(inv, upper=True)
+            if int(info) == 0:
+                return upper, damp
+        if damp >= 1.0:
+            raise ValueError(f"{name}: the Hessian is not positive definite even with damp {damp:.2f}")
+        log.warning("%s: Cholesky failed with damp %.3f; retrying with %.3f", name or "layer", damp, damp + damp_step)
+        damp = damp + damp_step
+
+
+def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, name: str = "") -> GPTQResult:
+    """Quantize `weight` [out, in] given the input Hessian [in, in] (float32, any scale)."""
+    grid = cfg.grid()
+    w = weight.to(device=hessian.device, dtype=torch.float32).clone()
+    h = hessian.to(torch.float32).clone()
+    rows, cols = w.shape
+    gs = cols if cfg.group_size <= 0 else cfg.group_size
+    n_groups = group_count(cols, cfg.group_size)
+
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+
+    static: tuple[torch.Tensor, torch.Tensor] | None = None
+    if cfg.static_groups or cfg.group_size <= 0:
+        static = _group_params(grid, w, gs, n_groups)
+
+    perm = torch.argsort(torch.diag(h), descending=True) if cfg.act_order else None
+    if perm is not None:
+        w = w[:, perm]
+        h = h[perm][:, perm]
+    hinv, damp = inverse_hessian_factor(h, cfg.damp, cfg.damp_step, name)
+
+    codes = torch.zeros(rows, cols, dtype=torch.uint8, device=w.device)
+    scales = torch.zeros(rows, n_groups, dtype=torch.float32, device=w.device)
+    zeros = torch.zeros(rows, n_groups, dtype=torch.float32, device=w.device)
+    if static is not None:
+        scales, zeros = static
+    # group of each processed (possibly permuted) column
+    if perm is not None and static is not None:
+        col_group = perm // gs
+    else:
+        col_group = torch.arange(cols, device=w.device) // gs
+    col_group_cpu = col_group.tolist()
+    loss = torch.zeros(rows, dtype=torch.float32, device=w.device)
+
+    scale = zero = None
+    for b0 in range(0, cols, cfg.block_size):
+        b1 = min(b0 + cfg.block_size, cols)
+        w_blk = w[:, b0:b1].clone()
+        err_blk = torch.zeros_like(w_blk)
+        hinv_blk = hinv[b0:b1, b0:b1]
+        for i in range(b1 - b0):
+            c = b0 + i
+            g = col_group_cpu[c]
+            if static is None:
+                if c % gs == 0:  # a new group starts here: its parameters from the current weights
+                    end = min(c + gs, cols)
+                    current = w_blk[:, i:] if end <= b1 else torch.cat([w_blk[:, i:], w[:, b1:end]], dim=1)
+                    scale, zero = grid.params(current[:, : end - c])
+                    scales[:, g], zeros[:, g] = scale, zero
+            else:
+                scale, zero = scales[:, g], zeros[:, g]
+            col = w_blk[:, i]
+            q = grid.quantize(col.unsqueeze(1), scale.unsqueeze(1), zero.unsqueeze(1)).squeeze(1)
+            codes[:, c] = q.to(torch.uint8)
+            d = hinv_blk[i, i]
+            e = (col - (q - zero) * scale) / d
+            loss += e.pow(2) / 2  # (w - q)^2 / d^2 / 2, the paper's per-column loss
+            w_blk[:, i:] -= e.unsqueeze(1) * hinv_blk[i, i:].unsqueeze(0)
+            err_blk[:, i] = e
+        w[:, b1:] -= err_blk @ hinv[b0:b1, b1:]
+
+    g_idx = None
+    if perm is not None:
+        inv = torch.argsort(perm)
+        codes = codes[:, inv]
+        if static is None:
+            g_idx = col_group[inv].to(torch.int32)  # groups were formed in processing order
+    qt = QuantizedTensor(codes=codes, scales=scales, bits=cfg.bits, group_size=cfg.group_size,
+                         zeros=None if cfg.sym else zeros.to(torch.int32), g_idx=g_idx, grid="int")
+    return GPTQResult(qt, loss.cpu(), damp)
+
+
+def _group_params(grid: IntGrid, w: torch.Tensor, gs: int, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = w.shape
+    scales = torch.empty(rows, n_groups, dtype=torch.float32, device=w.device)
+    zeros = torch.empty_like(scales)
+    for g in range(n_groups):
+        scales[:, g], zeros[:, g] = grid.params(w[:, g * gs: (g + 1) * gs])
+    return scales, zeros

@@ -1,0 +1,243 @@
+"""The layer-sequential quantization pipeline: one decoder block resident at a time.
+
+For GPTQ: embed the calibration tokens, then for each block, in true-sequential order,
+    q/k/v  ← Hessian of input_layernorm(x)
+    o      ← Hessian of the attention output computed with the quantized q/k/v
+    gate/up← Hessian of post_attention_layernorm(x + o(...)) with the quantized o
+    down   ← Hessian of silu(gate)·up with the quantized gate/up
+and the block's outputs, computed with all its quantized weights, become the next block's inputs.
+Linears that share an input (q/k/v, gate/up) share one Hessian and are quantized as one stacked
+matrix, which is the same computation (GPTQ treats rows independently) done once.
+RTN needs no data: each block's linears are rounded as they stream by.
+
+`quantize_model` yields one `BlockResult` per block (then one for the head when asked), so a
+writer can stream results to disk and drop them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from llmopt.calibration.capture import StopForward, capture_inputs, embed
+from llmopt.calibration.hessian import HessianAccumulator
+from llmopt.model.decoder import Block, Rotary, load_block
+from llmopt.model.source import ModelSource
+from llmopt.quant.gptq import GPTQConfig, gptq_quantize
+from llmopt.quant.metrics import weight_error
+from llmopt.quant.rtn import RTNConfig, rtn_quantize
+from llmopt.quant.tensor import QuantizedTensor
+
+# Linears of a block in true-sequential order; each inner tuple shares one input.
+STAGES: tuple[tuple[str, ...], ...] = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.down_proj",),
+)
+LINEARS = tuple(name for stage in STAGES for name in stage)
+HEAD = "lm_head"
+
+
+@dataclass(frozen=True)
+class QuantizeSpec:
+    method: str  # "rtn" or "gptq"
+    rtn: RTNConfig | None = None
+    gptq: GPTQConfig | None = None
+    quantize_head: bool = False
+    batch_size: int = 8  # calibration samples per forward chunk
+
+    @property
+    def bits(self) -> int:
+        return (self.gptq or self.rtn).bits  # type: ignore[union-attr]
+
+    @property
+    def group_size(self) -> int:
+        return (self.gptq or self.rtn).group_size  # type: ignore[union-attr]
+
+    @property
+    def sym(self) -> bool:
+        return (self.gptq or self.rtn).sym  # type: ignore[union-attr]
+
+
+@dataclass
+class LayerReport:
+    name: str  # HF module name, e.g. model.layers.0.self_attn.q_proj
+    shape: tuple[int, int]
+    metrics: dict[str, float]
+    gptq_loss: float | None = None
+    damp: float | None = None
+
+
+@dataclass
+class BlockResult:
+    layer: int  # block index, or -1 for the head
+    tensors: dict[str, QuantizedTensor]  # HF module name -> quantized weight
+    reports: list[LayerReport] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def module_name(layer: int, linear: str) -> str:
+    return HEAD if layer < 0 else f"model.layers.{layer}.{linear}"
+
+
+def quantize_model(source: ModelSource, spec: QuantizeSpec, tokens: torch.Tensor | None = None,
+                   device: torch.device | str = "cpu") -> Iterator[BlockResult]:
+    """Quantize every block's linears (and the head with `quantize_head`), one block at a time."""
+    device = torch.device(device)
+    if spec.method == "rtn":
+        yield from _rtn_blocks(source, spec, device)
+    elif spec.method == "gptq":
+        if tokens is None:
+            raise ValueError("GPTQ needs calibration tokens")
+        yield from _gptq_blocks(source, spec, tokens, device)
+    else:
+        raise ValueError(f"unknown method {spec.method!r}")
+
+
+def _rtn_blocks(source: ModelSource, spec: QuantizeSpec, device: torch.device) -> Iterator[BlockResult]:
+    assert spec.rtn is not None
+    for layer in range(source.arch.num_layers):
+        start = time.perf_counter()
+        result = BlockResult(layer, {})
+        for linear in LINEARS:
+            name = module_name(layer, linear)
+            w = source.load(f"{name}.weight", dtype=torch.float32).to(device)
+            _record(result, name, w, rtn_quantize(w, spec.rtn))
+        result.seconds = time.perf_counter() - start
+        yield result
+    if spec.quantize_head:
+        start = time.perf_counter()
+        w = head_weight(source).to(device)
+        result = BlockResult(-1, {})
+        _record(result, HEAD, w, rtn_quantize(w, spec.rtn))
+        result.seconds = time.perf_counter() - start
+        yield result
+
+
+def head_weight(source: ModelSource) -> torch.Tensor:
+    name = "lm_head.weight" if "lm_head.weight" in source.tensors else "model.embed_tokens.weight"
+    return source.load(name, dtype=torch.float32)
+
+
+def _record(result: BlockResult, name: str, w: torch.Tensor, qt: QuantizedTensor,
+            loss: float | None = None, damp: float | None = None) -> torch.Tensor:
+    deq = qt.dequantize(torch.float32)
+    result.tensors[name] = _to_cpu(qt)
+    result.reports.append(LayerReport(name, (int(w.shape[0]), int(w.shape[1])), weight_error(w, deq), loss, damp))
+    return deq
+
+
+def _to_cpu(qt: QuantizedTensor) -> QuantizedTensor:
+    def c(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.cpu()
+
+    return QuantizedTensor(qt.codes.cpu(), qt.scales.cpu(), qt.bits, qt.group_size, c(qt.zeros), c(qt.mins),
+                           c(qt.g_idx), qt.grid, {k: v.cpu() for k, v in qt.aux.items()})
+
+
+def _chunks(n: int, size: int) -> Iterator[slice]:
+    for i in range(0, n, size):
+        yield slice(i, min(i + size, n))
+
+
+@torch.no_grad()
+def _gptq_blocks(source: ModelSource, spec: QuantizeSpec, tokens: torch.Tensor, device: torch.device) -> Iterator[BlockResult]:
+    assert spec.gptq is not None
+    arch = source.arch
+    x = embed(source, tokens, torch.float32, device)  # [n, t, hidden]: the current block's inputs
+    n, t = tokens.shape
+    cos, sin = Rotary(arch).to(device)(0, t, torch.float32)
+    bs = max(1, spec.batch_size)
+    for layer in range(arch.num_layers):
+        start = time.perf_counter()
+        block = load_block(source, layer, torch.float32, device)
+        result = BlockResult(layer, {})
+
+        # q, k, v: inputs are the normed block inputs
+        acc = HessianAccumulator(arch.hidden_size, device)
+        for s in _chunks(n, bs):
+            acc.add(block.input_layernorm(x[s]))
+        _quantize_stage(block, layer, STAGES[0], acc.value(), spec.gptq, result)
+        del acc
+
+        # o: inputs are the attention outputs with quantized q/k/v
+        attn_out = torch.empty(n, t, arch.num_heads * arch.head_dim, dtype=x.dtype, device=device)
+        acc = HessianAccumulator(attn_out.shape[-1], device)
+        for s in _chunks(n, bs):
+            attn_out[s] = _o_proj_input(block, block.input_layernorm(x[s]), cos, sin)
+            acc.add(attn_out[s])
+        _quantize_stage(block, layer, STAGES[1], acc.value(), spec.gptq, result)
+        for s in _chunks(n, bs):
+            x[s] += block.self_attn.o_proj(attn_out[s])  # x now holds the post-attention residual
+        del attn_out, acc
+
+        # gate, up: inputs are the normed post-attention residual
+        acc = HessianAccumulator(arch.hidden_size, device)
+        for s in _chunks(n, bs):
+            acc.add(block.post_attention_layernorm(x[s]))
+        _quantize_stage(block, layer, STAGES[2], acc.value(), spec.gptq, result)
+        del acc
+
+        # down: inputs are silu(gate)·up with the quantized gate/up
+        acc = HessianAccumulator(arch.intermediate_size, device)
+        mlp = block.mlp
+        for s in _chunks(n, bs):
+            h = block.post_attention_layernorm(x[s])
+            acc.add(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        _quantize_stage(block, layer, STAGES[3], acc.value(), spec.gptq, result)
+        del acc
+
+        for s in _chunks(n, bs):  # the block's outputs with every weight quantized
+            x[s] += mlp(block.post_attention_layernorm(x[s]))
+        del block
+        result.seconds = time.perf_counter() - start
+        yield result
+
+    if spec.quantize_head:
+        start = time.perf_counter()
+        norm_w = source.load("model.norm.weight", dtype=torch.float32).to(device)
+        acc = HessianAccumulator(arch.hidden_size, device)
+        for s in _chunks(n, bs):
+            h = x[s] * torch.rsqrt(x[s].pow(2).mean(-1, keepdim=True) + arch.rms_norm_eps)
+            acc.add(norm_w * h)
+        w = head_weight(source).to(device)
+        result = BlockResult(-1, {})
+        r = gptq_quantize(w, acc.value(), spec.gptq, HEAD)
+        _record(result, HEAD, w, r.tensor, r.loss, r.damp)
+        result.seconds = time.perf_counter() - start
+        yield result
+
+
+def _o_proj_input(block: Block, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Run attention up to o_proj and return what o_proj would receive."""
+    seen: list[torch.Tensor] = []
+    with capture_inputs(block.self_attn.o_proj, seen.append, stop=True):
+        try:
+            block.self_attn(h, cos, sin)
+        except StopForward:
+            pass
+    return seen[0]
+
+
+def _quantize_stage(block: Block, layer: int, linears: tuple[str, ...], hessian: torch.Tensor,
+                    cfg: GPTQConfig, result: BlockResult) -> None:
+    """GPTQ on the linears of one stage (stacked: they share `hessian`), then load the quantized weights."""
+    modules = [block.get_submodule(name) for name in linears]
+    weights = [m.weight.data for m in modules]
+    stacked = torch.cat(weights, dim=0) if len(weights) > 1 else weights[0]
+    label = module_name(layer, "+".join(n.split(".")[-1] for n in linears) if len(linears) > 1 else linears[0])
+    r = gptq_quantize(stacked, hessian, cfg, label)
+    row = 0
+    for name, m, w in zip(linears, modules, weights):
+        rows = slice(row, row + w.shape[0])
+        row += w.shape[0]
+        qt = r.tensor
+        part = QuantizedTensor(qt.codes[rows], qt.scales[rows], qt.bits, qt.group_size,
+                               None if qt.zeros is None else qt.zeros[rows], None, qt.g_idx, qt.grid)
+        deq = _record(result, module_name(layer, name), w, part, float(r.row_loss[rows].sum()), r.damp)
+        m.weight.data = deq.to(m.weight.dtype)

@@ -13,6 +13,7 @@ import typer
 
 import llmopt
 from llmopt.cli import convert, inspect
+from llmopt.cli import recommend
 from llmopt.cli.common import DeviceOpt, JsonOpt, Settings, VerboseOpt, err
 from rich.markup import escape
 
@@ -28,6 +29,7 @@ app = typer.Typer(
 )
 app.command("inspect")(inspect.inspect_command)
 app.command("convert")(convert.convert_command)
+app.command("recommend")(recommend.recommend_command)
 
 
 def _version(value: bool) -> None:

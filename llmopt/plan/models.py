@@ -16,7 +16,7 @@ from pathlib import Path
 from llmopt.errors import InputError
 from llmopt.model.arch import ArchSpec
 from llmopt.plan.arch_tensors import ROPE, PlannedTensor, active_parameter_count, arch_tensors, num_experts, parameter_count
-from llmopt.plan.gguf_file import DEFAULT_ALIGNMENT, estimated_metadata_bytes, measured_metadata_bytes
+from llmopt.plan.gguf_file import DEFAULT_ALIGNMENT, estimated_metadata_bytes, measured_metadata_bytes, tensor_directory
 from llmopt.plan.presets import PRESETS, Preset, find_preset, preset_names
 
 
@@ -138,17 +138,12 @@ def _hub_config(repo_id: str) -> Path:
 def _from_gguf(path: Path) -> PlanModel:
     """A GGUF file: its architecture, its exact tensor list and its measured metadata."""
     from llmopt.model import open_model
-    from llmopt.model.gguf_file import GGUFSource
 
     with open_model(path) as source:
-        if not isinstance(source, GGUFSource):
-            raise InputError(f"{path}: not a GGUF file or an HF directory")
         arch = source.arch
-        stored = {t.stored_name: t.shape for t in source.tensors.values()}
-        extra = {name: tuple(int(d) for d in reversed(source.stored_tensor(name).shape.tolist()))
-                 for name in source.unmapped}
-    tensors = [t for t in arch_tensors(arch) if t.gguf_name in stored]
-    tensors += [PlannedTensor(None, name, shape, ROPE) for name, shape in extra.items()
-                if name not in {t.gguf_name for t in tensors}]
+    directory = tensor_directory(path)
+    tensors = [t for t in arch_tensors(arch) if t.gguf_name in directory]
+    known = {t.gguf_name for t in tensors}
+    tensors += [PlannedTensor(None, name, shape, ROPE) for name, (_, shape) in directory.items() if name not in known]
     metadata, alignment = measured_metadata_bytes(path)
     return PlanModel(path.stem, arch, tensors, str(path), metadata, True, alignment)

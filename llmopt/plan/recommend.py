@@ -178,7 +178,8 @@ def reason(row: Row, use_case: str, budget: Budget) -> str:
         return f"{row.model} {row.format} is the highest-quality format that fits ({mem}); {loss}."
     if use_case == "balanced":
         return f"{row.model} {row.format} is the best quality at <= 5.5 bits/weight ({row.bits_per_weight:.2f} bpw, {mem}); {loss}."
-    return f"{row.model} {row.format} reads the fewest bytes per token among good-quality formats ({speed}; {mem})."
+    among = "good-quality formats" if class_index(row.quality.label) <= GOOD else "the formats that fit (none of good quality does)"
+    return f"{row.model} {row.format} reads the fewest bytes per token among {among} ({speed}; {mem})."
 
 
 # ---------------------------------------------------------------- when nothing fits
@@ -264,6 +265,8 @@ def recommend_over_presets(workload: Workload, budget: Budget,
         row = _largest_for(models, per_model, uc)
         if row is not None:
             picks[uc] = {"format": row.format, "model": row.model, "reason": _over_reason(row, uc, budget)}
+            if row not in best:  # a pick in another format than the model's best row: show it too
+                best.insert(best.index(next(r for r in best if r.model == row.model)) + 1, row)
     return {
         "mode": "presets",
         "models": [_model_info(m, workload) for m in models],

@@ -88,11 +88,36 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer, k, v, start)
         mask = attention_mask(t, k.shape[2], start, self.window, x.device)
+        if t <= SMALL_QUERY:
+            o = grouped_attention(q, k, v, mask)
+            return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
         if self.n_kv != self.n_heads:
             k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
             v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+
+
+SMALL_QUERY = 16  # decode steps and speculative verification: at most this many new tokens
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention for a few queries over a long cache, without copying K/V once per query head.
+
+    Query heads that share a KV head are folded into the query axis, so one matmul serves the whole
+    group (SDPA would need K/V repeated). It is also steadier than SDPA's threaded CPU kernel, whose
+    per-call overhead dominates when there is only one query.
+    """
+    b, h, t, d = q.shape
+    n_kv = k.shape[1]
+    rep = h // n_kv
+    scores = (q.reshape(b, n_kv, rep * t, d) @ k.transpose(-1, -2)) * (d ** -0.5)  # [b, n_kv, rep*t, s]
+    if mask is None and t > 1:  # plain causal: the queries are the last t positions
+        mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - t)
+    if mask is not None:
+        scores = scores.masked_fill(~mask.repeat(rep, 1), float("-inf"))
+    weights = scores.float().softmax(-1).to(v.dtype)
+    return (weights @ v).view(b, h, t, d)
 
 
 def attention_mask(t: int, s: int, start: int, window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -162,11 +187,15 @@ class Decoder(nn.Module):
         self.rotary = Rotary(arch)
 
     def forward(self, ids: torch.Tensor, start: int = 0, cache: KVCache | None = None) -> torch.Tensor:
+        return self.lm_head(self.hidden(ids, start, cache))
+
+    def hidden(self, ids: torch.Tensor, start: int = 0, cache: KVCache | None = None) -> torch.Tensor:
+        """Final-norm hidden states: prefill applies the LM head to the last position only."""
         x = self.embed_tokens(ids)
         cos, sin = self.rotary(start, ids.shape[1], x.dtype)
         for block in self.layers:
             x = block(x, cos, sin, start, cache)
-        return self.lm_head(self.norm(x))
+        return self.norm(x)
 
     @classmethod
     def from_source(cls, source: ModelSource, dtype: torch.dtype = torch.float32,

@@ -1,0 +1,102 @@
+"""`llmopt generate MODEL --prompt TEXT`: stream a completion from the built-in runtime, then metrics."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from llmopt.cli.common import DeviceOpt, JsonOpt, VerboseOpt, emit_json, err, out, settings
+from llmopt.errors import InputError
+from llmopt.runtime.chat import apply_chat_template
+from llmopt.runtime.generate import Generator
+from llmopt.runtime.sampling import SamplingConfig
+from llmopt.runtime.speculative import DraftModel, PromptLookup
+from llmopt.runtime.weights import load_model, set_threads
+
+
+# Options shared with `llmopt eval`.
+DTypeOpt = Annotated[str, typer.Option("--dtype", help="auto | float32 | float16 | bfloat16 (auto: float32 on CPU, bfloat16 on CUDA).")]
+ThreadsOpt = Annotated[int, typer.Option("--threads", help="CPU threads for torch (0 = torch's default).")]
+
+
+def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    if (prompt is None) == (prompt_file is None):
+        raise InputError("give exactly one of --prompt TEXT or --prompt-file FILE")
+    if prompt_file is None:
+        return prompt or ""
+    if str(prompt_file) == "-":
+        return sys.stdin.read()
+    try:
+        return prompt_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{prompt_file}: cannot read prompt ({e.__class__.__name__}: {e})") from None
+
+
+def generate_command(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(help="A .gguf file, an HF directory (float or GPTQ) or a hub id.")],
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text.")] = None,
+    prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", help="Read the prompt from a file ('-' = stdin).")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most new tokens to generate.")] = 256,
+    temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy (deterministic).")] = 0.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")] = 0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Keep the smallest set with this much probability (1 = off).")] = 1.0,
+    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p x the top probability (0 = off).")] = 0.0,
+    repetition_penalty: Annotated[float, typer.Option("--repetition-penalty", help="Penalize tokens already seen (1 = off).")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed: the same seed gives the same text.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears (repeatable).")] = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep going past the end-of-sequence token.")] = False,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
+    system: Annotated[Optional[str], typer.Option("--system", help="System message (with --chat).")] = None,
+    draft: Annotated[Optional[str], typer.Option("--draft", help="Draft model for speculative decoding (same tokenizer).")] = None,
+    num_draft: Annotated[int, typer.Option("--num-draft", "-k", help="Tokens drafted per verification step.")] = 4,
+    prompt_lookup: Annotated[int, typer.Option("--prompt-lookup", help="Speculate by matching the last N-gram in the text so far (0 = off).")] = 0,
+    threads: ThreadsOpt = 0,
+    dtype: DTypeOpt = "auto",
+    prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Prompt tokens per prefill forward pass.")] = 512,
+    json_out: JsonOpt = False,
+    device: DeviceOpt = None,
+    verbose: VerboseOpt = 0,
+) -> None:
+    """Generate text with the built-in runtime (KV cache; optional speculative decoding)."""
+    opts = settings(ctx, json_out, device, verbose)
+    set_threads(threads)
+    text = read_prompt(prompt, prompt_file)
+    if draft and prompt_lookup:
+        raise InputError("choose one of --draft and --prompt-lookup")
+    if prompt_lookup < 0 or num_draft < 1 or prefill_chunk < 1:
+        raise InputError("--prompt-lookup must be >= 0, --num-draft and --prefill-chunk >= 1")
+    if system and not chat:
+        raise InputError("--system needs --chat")
+    sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty)
+    sampling.check()
+
+    target = load_model(model, dtype, opts.device)
+    tok = target.tokenizer
+    if tok is None:
+        raise InputError(f"{model}: has no tokenizer, so it cannot take a text prompt")
+    if chat:
+        ids = tok.tokenizer.encode(apply_chat_template(tok, text, system), add_special_tokens=False).ids
+    else:
+        ids = tok.encode(text)
+    drafter = None
+    if draft:
+        d = load_model(draft, dtype, opts.device)
+        if d.model.arch.vocab_size != target.model.arch.vocab_size or (d.tokenizer and d.tokenizer.encode(text) != tok.encode(text)):
+            raise InputError(f"--draft {draft}: its tokenizer differs from the model's; a draft must share the vocabulary")
+        drafter = DraftModel(d.model, len(ids) + max_tokens + num_draft + 1, d.dtype, d.device)
+    elif prompt_lookup:
+        drafter = PromptLookup(prompt_lookup)
+
+    gen = Generator(target.model, tok, drafter, num_draft, prefill_chunk)
+    on_text = None if opts.json else (lambda piece: out.print(piece, end="", markup=False, highlight=False, soft_wrap=True))
+    result = gen.generate(ids, max_tokens, sampling, stop or [], seed, ignore_eos, on_text)
+    if opts.json:
+        emit_json({"text": result.text, "tokens": result.token_ids, "metrics": result.metrics.to_dict(),
+                   "model": target.path, "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch.")})
+    else:
+        out.print()
+        err.print(f"[dim]{result.metrics.line()}[/]")

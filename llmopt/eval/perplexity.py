@@ -1,0 +1,90 @@
+"""Perplexity, KL divergence and top-1 agreement: the project's one definition of each.
+
+Tokenize the whole text once; window i covers tokens [i*ctx, (i+1)*ctx); each window is run on its
+own (no context carried over) and its tokens 1..ctx-1 are scored. Perplexity is exp of the mean
+negative log-likelihood over all scored tokens. Against a reference model on the same windows:
+KL is the mean over scored positions of KL(P_ref || P_model) in nats, and top-1 agreement the
+fraction of positions where both models' most likely next token is the same.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from llmopt.errors import InputError
+from llmopt.model.decoder import Decoder
+
+
+def token_windows(ids: list[int], ctx: int, windows: int) -> torch.Tensor:
+    """The first `windows` non-overlapping windows of `ctx` tokens ([windows, ctx]); 0 = all."""
+    if ctx < 2:
+        raise InputError(f"--ctx must be at least 2, got {ctx}")
+    available = len(ids) // ctx
+    if windows < 0:
+        raise InputError(f"--windows must be >= 0, got {windows}")
+    windows = windows or available
+    if available < windows or available == 0:
+        raise InputError(f"the text has {len(ids)} tokens: {available} window(s) of {ctx}, fewer than the {windows} asked for")
+    return torch.tensor(ids[: windows * ctx]).view(windows, ctx)
+
+
+@dataclass
+class EvalResult:
+    windows: int
+    ctx: int
+    tokens_scored: int
+    nll: float  # mean negative log-likelihood, nats per token
+    perplexity: float
+    ref_perplexity: float | None = None
+    kl_divergence: float | None = None  # mean KL(ref || model), nats
+    top1_agreement: float | None = None  # fraction in [0, 1]
+
+    @property
+    def ppl_increase_pct(self) -> float | None:
+        if self.ref_perplexity is None:
+            return None
+        return 100.0 * (self.perplexity / self.ref_perplexity - 1.0)
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if v is not None}
+        if self.ppl_increase_pct is not None:
+            d["ppl_increase_pct"] = self.ppl_increase_pct
+        return d
+
+
+@torch.inference_mode()
+def window_log_probs(model: Decoder, window: torch.Tensor) -> torch.Tensor:
+    """log P(next token) at positions 0..ctx-2 of one window: [ctx-1, V] float32."""
+    device = next(model.parameters()).device
+    logits = model(window[None].to(device))[0, :-1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+@torch.inference_mode()
+def evaluate(model: Decoder, windows: torch.Tensor, ref: Decoder | None = None,
+             on_window: Callable[[int], None] | None = None) -> EvalResult:
+    """Score `model` (and `ref`, when given) on each window; see the module docstring."""
+    nll = ref_nll = kl = agree = 0.0
+    for i, window in enumerate(windows):
+        targets = window[1:, None].to(next(model.parameters()).device)
+        logp = window_log_probs(model, window)
+        nll -= logp.gather(-1, targets).sum().item()
+        if ref is not None:
+            ref_logp = window_log_probs(ref, window).to(logp.device)
+            ref_nll -= ref_logp.gather(-1, targets).sum().item()
+            kl += (ref_logp.exp() * (ref_logp - logp)).sum().item()
+            agree += (ref_logp.argmax(-1) == logp.argmax(-1)).sum().item()
+        if on_window:
+            on_window(i)
+    n = windows.shape[0] * (windows.shape[1] - 1)
+    result = EvalResult(windows=windows.shape[0], ctx=windows.shape[1], tokens_scored=n, nll=nll / n,
+                        perplexity=math.exp(nll / n))
+    if ref is not None:
+        result.ref_perplexity = math.exp(ref_nll / n)
+        result.kl_divergence = kl / n
+        result.top1_agreement = agree / n
+    return result

@@ -1,0 +1,194 @@
+"""The generation loop: chunked prefill, then decode (plain or speculative), streaming and timed.
+
+One sequence at a time (batch 1): the interactive case, and the one where a static cache and a
+short Python loop matter most. All state lives in the cache and the list of token ids.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from llmopt.errors import InputError
+from llmopt.model.decoder import Decoder
+from llmopt.model.tokenizer import TokenizerInfo
+from llmopt.runtime.kv_cache import StaticKVCache
+from llmopt.runtime.sampling import SamplingConfig, apply_repetition_penalty, next_token, probabilities
+from llmopt.runtime.speculative import Drafter, one_hot_rows, verify
+from llmopt.runtime.stream import TextStream
+
+
+@dataclass
+class Metrics:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_ms: float = 0.0  # prompt in -> first new token out (prefill + one sample)
+    tpot_ms: float = 0.0  # mean time per output token after the first
+    tokens_per_s: float = 0.0  # decode rate after the first token
+    drafted_tokens: int | None = None
+    accepted_tokens: int | None = None
+    acceptance_rate: float | None = None
+    target_forwards: int = 0  # forward passes of the target model after prefill
+    stop_reason: str = ""  # "eos", "stop", "max_tokens"
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def line(self) -> str:
+        parts = [f"prompt {self.prompt_tokens} tok", f"generated {self.generated_tokens} tok",
+                 f"TTFT {self.ttft_ms:.1f} ms", f"TPOT {self.tpot_ms:.1f} ms", f"{self.tokens_per_s:.1f} tok/s"]
+        if self.drafted_tokens is not None:
+            parts.append(f"drafted {self.drafted_tokens}, accepted {self.accepted_tokens} "
+                         f"({100 * (self.acceptance_rate or 0):.1f}%)")
+        return " | ".join(parts)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    metrics: Metrics = field(default_factory=Metrics)
+
+
+def eos_ids(tok: TokenizerInfo | None, extra: list[int] | None = None) -> set[int]:
+    """Tokens that end generation: the tokenizer's EOS, plus any the model's config lists."""
+    ids = set(extra or [])
+    if tok is not None and tok.token_id(tok.eos_token) is not None:
+        ids.add(tok.token_id(tok.eos_token))
+    return ids
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Generator:
+    """Runs `model` on one prompt at a time, optionally with a drafter for speculative decoding."""
+
+    def __init__(self, model: Decoder, tokenizer: TokenizerInfo | None = None, drafter: Drafter | None = None,
+                 num_draft: int = 4, prefill_chunk: int = 512, eos: set[int] | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.num_draft = num_draft
+        self.prefill_chunk = prefill_chunk
+        self.eos = eos_ids(tokenizer) if eos is None else eos
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        """Run the prompt through the model in chunks; return the logits after its last token."""
+        h = None
+        for start in range(0, ids.shape[0], self.prefill_chunk):
+            h = self.model.hidden(ids[None, start:start + self.prefill_chunk], start, cache)
+        return self.model.lm_head(h[0, -1]).float()
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_tokens: int = 256, sampling: SamplingConfig = SamplingConfig(),
+                 stop: list[str] | tuple[str, ...] = (), seed: int | None = None, ignore_eos: bool = False,
+                 on_text: Callable[[str], None] | None = None) -> GenerationResult:
+        if not prompt_ids:
+            raise InputError("the prompt is empty (no tokens); give some text")
+        if max_tokens < 1:
+            raise InputError(f"--max-tokens must be at least 1, got {max_tokens}")
+        sampling.check()
+        if stop and self.tokenizer is None:
+            raise InputError("--stop needs a tokenizer to read the text, and this model has none")
+        speculative = self.drafter is not None and self.num_draft > 0
+        max_len = len(prompt_ids) + max_tokens + (self.num_draft + 1 if speculative else 1)
+        cache = StaticKVCache(self.model.arch, max_len, 1, self.dtype, self.device)
+        generator = torch.Generator(self.device)
+        generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ())))
+        stream = TextStream(self.tokenizer, stop) if self.tokenizer is not None else None
+        metrics = Metrics(prompt_tokens=len(prompt_ids))
+        if speculative:
+            metrics.drafted_tokens = metrics.accepted_tokens = 0
+
+        t0 = time.perf_counter()
+        history = torch.tensor(prompt_ids, device=self.device)
+        logits = self.prefill(history, cache)
+        ids = list(prompt_ids)
+        new: list[int] = []
+        token = next_token(logits, sampling, history, generator)
+        t_first = None
+
+        def commit(tokens: list[int]) -> str | None:
+            """Append tokens; return why generation stops, or None to go on."""
+            nonlocal t_first
+            for t in tokens:
+                if t in self.eos and not ignore_eos:
+                    return "eos"
+                ids.append(t)
+                new.append(t)
+                if t_first is None:
+                    _sync(self.device)
+                    t_first = time.perf_counter()
+                if stream is not None:
+                    piece = stream.push(t)
+                    if piece and on_text:
+                        on_text(piece)
+                    if stream.stopped:
+                        return "stop"
+                if len(new) >= max_tokens:
+                    return "max_tokens"
+            return None
+
+        reason = commit([token])
+        while reason is None:
+            if speculative:
+                reason = commit(self._speculative_step(ids, cache, sampling, generator, metrics))
+            else:
+                logits = self.model(torch.tensor([[ids[-1]]], device=self.device), len(ids) - 1, cache)[0, -1]
+                metrics.target_forwards += 1
+                history = torch.cat([history, torch.tensor(ids[len(history):], device=self.device)])
+                reason = commit([next_token(logits, sampling, history, generator)])
+        _sync(self.device)
+        t_end = time.perf_counter()
+
+        if stream is not None:
+            tail = stream.finish()
+            if tail and on_text:
+                on_text(tail)
+        metrics.stop_reason = reason
+        metrics.generated_tokens = len(new)
+        first = t_first if t_first is not None else t_end
+        metrics.ttft_ms = 1000 * (first - t0)
+        if len(new) > 1:
+            metrics.tpot_ms = 1000 * (t_end - first) / (len(new) - 1)
+            metrics.tokens_per_s = (len(new) - 1) / max(t_end - first, 1e-9)
+        if speculative and metrics.drafted_tokens:
+            metrics.acceptance_rate = metrics.accepted_tokens / metrics.drafted_tokens
+        text = stream.text if stream is not None else ""
+        return GenerationResult(text=text, token_ids=new, metrics=metrics)
+
+    def _speculative_step(self, ids: list[int], cache: StaticKVCache, sampling: SamplingConfig,
+                          generator: torch.Generator, metrics: Metrics) -> list[int]:
+        """Draft up to K tokens, verify them in one target forward, return the tokens to keep."""
+        assert self.drafter is not None
+        n = len(ids)
+        drafts, q = self.drafter.propose(ids, self.num_draft, sampling, generator)
+        if not drafts:  # nothing to propose (no n-gram match): an ordinary step
+            logits = self.model(torch.tensor([[ids[-1]]], device=self.device), n - 1, cache)[0, -1]
+            metrics.target_forwards += 1
+            return [next_token(logits, sampling, torch.tensor(ids, device=self.device), generator)]
+        vocab = self.model.arch.vocab_size
+        block = torch.tensor([[ids[-1], *drafts]], device=self.device)
+        logits = self.model(block, n - 1, cache)[0].float()  # [K+1, V]
+        metrics.target_forwards += 1
+        history = torch.tensor(ids + drafts, device=self.device)
+        p = torch.stack([probabilities(apply_repetition_penalty(logits[i], history[:n + i], sampling.repetition_penalty), sampling)
+                         for i in range(len(drafts) + 1)])
+        if q is None:
+            q = one_hot_rows(drafts, vocab, self.device)
+        accepted, token = verify(p, q.to(p.device), torch.tensor(drafts, device=self.device, dtype=torch.long), generator)
+        a = int(accepted)
+        metrics.drafted_tokens += len(drafts)
+        metrics.accepted_tokens += a
+        cache.truncate(n + a)  # ids[-1] and the accepted drafts stay; the rest is overwritten next step
+        self.drafter.rollback(n + min(a, max(len(drafts) - 1, 0)))
+        return [*drafts[:a], int(token)]

@@ -1,0 +1,104 @@
+"""The generation loop on tiny models: caching, chunked prefill, stopping, seeding, streaming."""
+
+import pytest
+import torch
+
+from llmopt.errors import InputError
+from llmopt.model import open_model
+from llmopt.model.decoder import Decoder
+from llmopt.runtime.generate import Generator
+from llmopt.runtime.kv_cache import StaticKVCache
+from llmopt.runtime.sampling import SamplingConfig
+from llmopt.runtime.stream import TextStream
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_models):
+    with open_model(tiny_models("mistral")) as src:
+        return Decoder.from_source(src), src.tokenizer()
+
+
+def greedy_without_cache(model, ids, n):
+    """The definition: re-run the whole sequence for every new token."""
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[-n:]
+
+
+def test_cached_greedy_equals_full_recompute(tiny):
+    model, tok = tiny
+    ids = tok.encode("In the beginning the universe")
+    result = Generator(model, tok, prefill_chunk=4).generate(ids, 25, ignore_eos=True)
+    assert result.token_ids == greedy_without_cache(model, ids, 25)
+    assert result.metrics.generated_tokens == 25 and result.metrics.stop_reason == "max_tokens"
+
+
+def test_chunked_prefill_equals_one_pass(tiny):
+    model, tok = tiny
+    ids = torch.tensor(tok.encode("Sphinx of black quartz, judge my vow. " * 3))
+    one = Generator(model, tok, prefill_chunk=1024).prefill(ids, StaticKVCache(model.arch, 200))
+    chunked = Generator(model, tok, prefill_chunk=7).prefill(ids, StaticKVCache(model.arch, 200))
+    assert torch.allclose(one, chunked, atol=1e-5)
+
+
+def test_kv_cache_truncate_then_overwrite(tiny):
+    model, _ = tiny
+    cache = StaticKVCache(model.arch, 16)
+    with torch.no_grad():
+        model(torch.tensor([[5, 6, 7, 8]]), 0, cache)
+        cache.truncate(2)
+        assert cache.length == 2
+        rolled = model(torch.tensor([[9]]), 2, cache)[0, -1]
+        fresh = model(torch.tensor([[5, 6, 9]]))[0, -1]
+    assert torch.allclose(rolled, fresh, atol=1e-5)
+    with pytest.raises(InputError, match="does not fit"):
+        cache.update(0, torch.zeros(1, model.arch.num_kv_heads, 20, model.arch.head_dim), None, 0)
+
+
+def test_same_seed_same_text_different_seed_differs(tiny):
+    model, tok = tiny
+    ids = tok.encode("The quick")
+    cfg = SamplingConfig(temperature=1.5)
+    runs = [Generator(model, tok).generate(ids, 20, cfg, seed=s, ignore_eos=True).token_ids for s in (1, 1, 2)]
+    assert runs[0] == runs[1] != runs[2]
+
+
+def test_stops_at_eos_and_leaves_it_out(tiny):
+    model, tok = tiny
+    ids = tok.encode("The quick")
+    free = Generator(model, tok).generate(ids, 10, ignore_eos=True).token_ids
+    eos = free[3]
+    result = Generator(model, tok, eos={eos}).generate(ids, 10)
+    assert result.token_ids == free[:free.index(eos)]
+    assert result.metrics.stop_reason == "eos"
+
+
+def test_stop_string_cuts_text_and_stream_agrees(tiny):
+    model, tok = tiny
+    ids = tok.encode("The quick")
+    full = Generator(model, tok).generate(ids, 30, ignore_eos=True).text
+    stop = full[10:13]
+    pieces = []
+    result = Generator(model, tok).generate(ids, 30, stop=[stop], ignore_eos=True, on_text=pieces.append)
+    assert result.metrics.stop_reason == "stop"
+    assert result.text == full[:full.index(stop)]
+    assert "".join(pieces) == result.text
+
+
+def test_text_stream_holds_back_partial_characters_and_stop_prefixes(tiny):
+    _, tok = tiny
+    ids = tok.tokenizer.encode("héllo wörld", add_special_tokens=False).ids
+    stream = TextStream(tok, stop=["wör"])
+    out = "".join(stream.push(t) for t in ids) + stream.finish()
+    assert out == "héllo " and stream.stopped
+    stream = TextStream(tok)
+    pieces = [stream.push(t) for t in ids] + [stream.finish()]
+    assert "".join(pieces) == "héllo wörld" and all("\ufffd" not in p for p in pieces)
+
+
+def test_empty_prompt_is_an_input_error(tiny):
+    model, tok = tiny
+    with pytest.raises(InputError, match="empty"):
+        Generator(model, tok).generate([], 5)

@@ -91,6 +91,7 @@ def test_over_all_presets(capsys):
     assert rc == 0 and data["mode"] == "presets" and len(data["models"]) == len(PRESETS)
 
 
+@pytest.mark.slow
 def test_a_real_gguf_file_and_an_hf_directory(capsys, smollm2_gguf, tiny_models):
     rc, out, _ = run(capsys, "--mem", "1", "--model", str(smollm2_gguf), "--json")
     data = json.loads(out)

@@ -7,6 +7,7 @@ from llmopt.plan.arch_tensors import active_parameter_count, arch_tensors, param
 from llmopt.plan.presets import PRESETS, get_preset
 
 
+@pytest.mark.slow
 def test_matches_the_real_smollm2_gguf(smollm2_gguf):
     with open_model(smollm2_gguf) as src:
         real = {t.stored_name: t.shape for t in src.tensors.values()}

@@ -10,6 +10,7 @@ from llmopt.plan.gguf_file import estimated_metadata_bytes, gguf_file_bytes, mea
 from llmopt.plan.models import resolve_model
 
 
+@pytest.mark.slow
 def test_reproduces_the_real_smollm2_file_from_its_own_types(smollm2_gguf):
     import gguf
 
@@ -27,12 +28,14 @@ def test_reproduces_the_real_smollm2_file_from_its_own_types(smollm2_gguf):
     assert model.metadata_bytes == parsed
 
 
+@pytest.mark.slow
 def test_vocabulary_estimate_is_close_to_a_real_tokenizer(smollm2_gguf):
     measured, _ = measured_metadata_bytes(smollm2_gguf)
     estimate = estimated_metadata_bytes(49152)
     assert abs(estimate - measured) / measured < 0.05
 
 
+@pytest.mark.slow
 def test_truncated_metadata_is_an_input_error(smollm2_gguf, tmp_path):
     bad = tmp_path / "cut.gguf"
     bad.write_bytes(smollm2_gguf.read_bytes()[:100_000])

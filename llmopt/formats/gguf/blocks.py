@@ -1,0 +1,147 @@
+"""Block packing: a grid's QuantizedTensor -> the bytes of llama.cpp's block structs (ggml-common.h).
+
+One small packer per block type, vectorized over all blocks of a tensor. Each reads the codes and the
+raw per-block fields that the grid keeps in `QuantizedTensor.aux` (fp16 `d`/`dmin`/`m`, integer
+sub-scales `sc` and sub-mins `m`) and lays them out exactly as the C structs do, so llama.cpp and
+`gguf.quants.dequantize` read the same values the grid chose.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from llmopt.errors import InputError
+from llmopt.quant.tensor import QuantizedTensor
+
+
+def _half_bytes(t: torch.Tensor) -> torch.Tensor:
+    """fp16 values [n] -> their little-endian bytes [n, 2]."""
+    return t.to(torch.float16).contiguous().view(torch.uint8).reshape(-1, 2)
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int32)
+
+
+def _nibbles(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    return ((lo & 0xF) | ((hi & 0xF) << 4)).to(torch.uint8)
+
+
+def _crumbs(q: torch.Tensor) -> torch.Tensor:
+    """2-bit levels of 128-element halves [n, 2, 128] -> bytes [n, 64]: 4 levels 32 apart per byte."""
+    q = q.reshape(q.shape[0], 2, 4, 32)
+    return (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64).to(torch.uint8)
+
+
+def _high_bits_32(q: torch.Tensor) -> torch.Tensor:
+    """Bit 4 of each of a 32-block's levels as the little-endian uint32 `qh` [n, 4] (bit k = level k)."""
+    bits = ((q >> 4) & 1).reshape(-1, 4, 8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32)
+    return (bits * weights).sum(-1).to(torch.uint8)
+
+
+def _k_scales_6bit(sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Q4_K/Q5_K: 8 six-bit scales and 8 six-bit mins [n, 8] -> 12 bytes (get_scale_min_k4's layout)."""
+    sc, m = _u8(sc), _u8(m)
+    out = torch.zeros(sc.shape[0], 12, dtype=torch.int32)
+    out[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = m[:, 0:4] | ((m[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
+    return out.to(torch.uint8)
+
+
+def _q3_scales(stored: torch.Tensor) -> torch.Tensor:
+    """Q3_K: 16 six-bit (biased) scales [n, 16] -> 12 bytes: low nibbles in 0..7, high 2 bits in 8..11."""
+    s = _u8(stored)
+    out = torch.zeros(s.shape[0], 12, dtype=torch.int32)
+    out[:, 0:8] = (s[:, 0:8] & 0xF) | ((s[:, 8:16] & 0xF) << 4)
+    hi = s >> 4  # [n, 16]; byte 8 + j%4 holds bits at 2*(j/4)
+    for quarter in range(4):
+        out[:, 8:12] |= hi[:, 4 * quarter : 4 * quarter + 4] << (2 * quarter)
+    return out.to(torch.uint8)
+
+
+def pack_q8_0(qt: QuantizedTensor) -> torch.Tensor:
+    q = (_u8(qt.codes) - 128).to(torch.int8).view(torch.uint8).reshape(-1, 32)
+    return torch.cat([_half_bytes(qt.aux["d"].reshape(-1)), q], dim=1)
+
+
+def pack_q4_0(qt: QuantizedTensor) -> torch.Tensor:
+    q = _u8(qt.codes).reshape(-1, 32)
+    return torch.cat([_half_bytes(qt.aux["d"].reshape(-1)), _nibbles(q[:, :16], q[:, 16:])], dim=1)
+
+
+def pack_q4_1(qt: QuantizedTensor) -> torch.Tensor:
+    q = _u8(qt.codes).reshape(-1, 32)
+    head = [_half_bytes(qt.aux["d"].reshape(-1)), _half_bytes(qt.aux["m"].reshape(-1))]
+    return torch.cat([*head, _nibbles(q[:, :16], q[:, 16:])], dim=1)
+
+
+def pack_q5_0(qt: QuantizedTensor) -> torch.Tensor:
+    q = _u8(qt.codes).reshape(-1, 32)
+    return torch.cat([_half_bytes(qt.aux["d"].reshape(-1)), _high_bits_32(q), _nibbles(q[:, :16], q[:, 16:])], dim=1)
+
+
+def pack_q5_1(qt: QuantizedTensor) -> torch.Tensor:
+    q = _u8(qt.codes).reshape(-1, 32)
+    head = [_half_bytes(qt.aux["d"].reshape(-1)), _half_bytes(qt.aux["m"].reshape(-1))]
+    return torch.cat([*head, _high_bits_32(q), _nibbles(q[:, :16], q[:, 16:])], dim=1)
+
+
+def pack_q2_k(qt: QuantizedTensor) -> torch.Tensor:
+    q = _u8(qt.codes).reshape(-1, 256)
+    scales = (_u8(qt.aux["sc"]) | (_u8(qt.aux["m"]) << 4)).reshape(-1, 16).to(torch.uint8)
+    d = _half_bytes(qt.aux["d"].reshape(-1))
+    dmin = _half_bytes(qt.aux["dmin"].reshape(-1))
+    return torch.cat([scales, _crumbs(q), d, dmin], dim=1)
+
+
+def pack_q3_k(qt: QuantizedTensor) -> torch.Tensor:
+    q = _u8(qt.codes).reshape(-1, 256)
+    high = (q >> 2) & 1  # level > 3
+    bits = high.reshape(-1, 8, 32) << torch.arange(8, dtype=torch.int32).reshape(1, 8, 1)
+    hmask = bits.sum(1).to(torch.uint8)  # bit b of hmask[m] = level 32*b + m
+    scales = _q3_scales(qt.aux["sc"].reshape(-1, 16))
+    return torch.cat([hmask, _crumbs(q & 3), scales, _half_bytes(qt.aux["d"].reshape(-1))], dim=1)
+
+
+def pack_q4_k(qt: QuantizedTensor) -> torch.Tensor:
+    q = _u8(qt.codes).reshape(-1, 4, 2, 32)
+    qs = _nibbles(q[:, :, 0], q[:, :, 1]).reshape(-1, 128)
+    head = [_half_bytes(qt.aux["d"].reshape(-1)), _half_bytes(qt.aux["dmin"].reshape(-1))]
+    return torch.cat([*head, _k_scales_6bit(qt.aux["sc"].reshape(-1, 8), qt.aux["m"].reshape(-1, 8)), qs], dim=1)
+
+
+def pack_q5_k(qt: QuantizedTensor) -> torch.Tensor:
+    q = _u8(qt.codes).reshape(-1, 4, 2, 32)
+    qs = _nibbles(q[:, :, 0], q[:, :, 1]).reshape(-1, 128)
+    shifts = torch.arange(8, dtype=torch.int32).reshape(1, 4, 2, 1)  # level n*64 + h*32 + j -> bit 2n + h
+    qh = (((q >> 4) & 1) << shifts).sum(dim=(1, 2)).to(torch.uint8)
+    head = [_half_bytes(qt.aux["d"].reshape(-1)), _half_bytes(qt.aux["dmin"].reshape(-1))]
+    scales = _k_scales_6bit(qt.aux["sc"].reshape(-1, 8), qt.aux["m"].reshape(-1, 8))
+    return torch.cat([*head, scales, qh, qs], dim=1)
+
+
+def pack_q6_k(qt: QuantizedTensor) -> torch.Tensor:
+    q = _u8(qt.codes).reshape(-1, 2, 4, 32)  # [n, half, quarter, 32]
+    ql = torch.cat([_nibbles(q[:, :, 0], q[:, :, 2]), _nibbles(q[:, :, 1], q[:, :, 3])], dim=2).reshape(-1, 128)
+    hi = q >> 4
+    qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(-1, 64)
+    scales = qt.aux["sc"].reshape(-1, 16).to(torch.int8).view(torch.uint8)
+    return torch.cat([ql, qh.to(torch.uint8), scales, _half_bytes(qt.aux["d"].reshape(-1))], dim=1)
+
+
+PACKERS = {
+    "Q8_0": pack_q8_0, "Q4_0": pack_q4_0, "Q4_1": pack_q4_1, "Q5_0": pack_q5_0, "Q5_1": pack_q5_1,
+    "Q2_K": pack_q2_k, "Q3_K": pack_q3_k, "Q4_K": pack_q4_k, "Q5_K": pack_q5_k, "Q6_K": pack_q6_k,
+}  # fmt: skip
+
+
+def pack(qt: QuantizedTensor) -> np.ndarray:
+    """The tensor's bytes as a uint8 array [rows, row_bytes], ready for the GGUF writer."""
+    packer = PACKERS.get(qt.grid or "")
+    if packer is None:
+        raise InputError(f"cannot write a {qt.grid} QuantizedTensor to GGUF (no block packer)")
+    rows = qt.shape[0]
+    return packer(qt).reshape(rows, -1).numpy()

@@ -1,0 +1,101 @@
+"""Shared plumbing of the grids: block layouts, row chunking, importance weights, the grid base class."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from llmopt.errors import InputError
+from llmopt.quant.grids.numerics import blocks_major, nearest_int, seq_sum
+from llmopt.quant.tensor import QuantizedTensor
+
+QK_K = 256  # elements per K-quant super-block
+CHUNK_ELEMENTS = 1 << 21  # rows are quantized in chunks of about this many elements (bounds memory)
+
+
+def check_rows(w: torch.Tensor, block: int, type_name: str) -> torch.Tensor:
+    """The weight as contiguous float32 [rows, cols], or an error if rows do not fill whole blocks."""
+    if w.dim() != 2:
+        raise InputError(f"{type_name} quantizes 2-D weights, got shape {tuple(w.shape)}")
+    if w.shape[1] % block:
+        raise InputError(f"{type_name} needs rows that are a multiple of {block}, got {w.shape[1]}")
+    return w.detach().to(torch.float32).contiguous()
+
+
+def importance_major(importance: torch.Tensor, rows: int, n: int) -> torch.Tensor:
+    """Per-column importance [cols] laid out like `blocks_major(w, n)`: [n, rows*cols/n]."""
+    per_row = importance.to(torch.float32).reshape(-1, n).t()  # [n, cols/n]
+    return per_row.repeat(1, rows).contiguous()
+
+
+def superblock_sum_x2(w: torch.Tensor) -> torch.Tensor:
+    """Σx² over each 256-element super-block, accumulated in index order: [rows*cols/256]."""
+    x = blocks_major(w, QK_K)
+    return seq_sum(x * x)
+
+
+def per_block(values: torch.Tensor, n_sub: int) -> torch.Tensor:
+    """Repeat one value per super-block for each of its `n_sub` sub-blocks."""
+    return values.repeat_interleave(n_sub)
+
+
+def in_row_chunks(w: torch.Tensor, fn: Callable[..., dict[str, torch.Tensor]],
+                  importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Apply `fn(rows_chunk, importance)` to chunks of whole rows and concatenate its outputs by row."""
+    rows, cols = w.shape
+    step = max(1, CHUNK_ELEMENTS // cols)
+    parts = [fn(w[start : start + step], importance) for start in range(0, rows, step)]
+    return {k: torch.cat([p[k] for p in parts], dim=0) for k in parts[0]}
+
+
+def to_rows(major: torch.Tensor, rows: int) -> torch.Tensor:
+    """Inverse of blocks_major for levels: [n, B] -> [rows, cols]."""
+    return major.t().reshape(rows, -1)
+
+
+class BlockGrid:
+    """A GGML block type as a grid: `chunk` quantizes whole rows into raw fields, `assemble` turns the
+    fields of all chunks into one QuantizedTensor."""
+
+    name: str
+    block: int  # elements per (super-)block: rows must be a multiple
+
+    def quantize(self, weight: torch.Tensor, importance: torch.Tensor | None = None) -> QuantizedTensor:
+        w = check_rows(weight, self.block, self.name)
+        return self.assemble(in_row_chunks(w, self.chunk, importance))
+
+    def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def assemble(self, out: dict[str, torch.Tensor]) -> QuantizedTensor:
+        raise NotImplementedError
+
+
+def scale_min_fields(x: torch.Tensor, L: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor,
+                     m: torch.Tensor, nmax: int, rows: int) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Q2_K/Q4_K/Q5_K: requantize every sub-block against its stored scale d·sc and min dmin·m
+    (sub-blocks whose scale is zero keep the search's levels), then the raw fields by row."""
+    n_sub = sc.numel() // d.numel()
+    dd = per_block(d, n_sub) * sc
+    dm = per_block(dmin, n_sub) * m
+    requant = nearest_int((x + dm) / torch.where(dd == 0, torch.ones_like(dd), dd)).clamp_(0, nmax)
+    L = torch.where(dd == 0, L, requant)
+    return {
+        "codes": to_rows(L, rows).to(torch.uint8),
+        "d": d.reshape(rows, -1).to(torch.float16),
+        "dmin": dmin.reshape(rows, -1).to(torch.float16),
+        "sc": sc.reshape(rows, -1).to(torch.uint8),
+        "m": m.reshape(rows, -1).to(torch.uint8),
+    }
+
+
+def scale_min_tensor(out: dict[str, torch.Tensor], bits: int, group_size: int, grid: str) -> QuantizedTensor:
+    """A QuantizedTensor from scale-and-min fields: scales = d·sc, mins = dmin·m in float32, as ggml."""
+    n_sub = out["sc"].shape[1] // out["d"].shape[1]
+    d = out["d"].to(torch.float32).repeat_interleave(n_sub, dim=1)
+    dmin = out["dmin"].to(torch.float32).repeat_interleave(n_sub, dim=1)
+    return QuantizedTensor(
+        codes=out["codes"], scales=d * out["sc"].to(torch.float32), mins=dmin * out["m"].to(torch.float32),
+        bits=bits, group_size=group_size, grid=grid, aux={k: out[k] for k in ("d", "dmin", "sc", "m")},
+    )  # fmt: skip

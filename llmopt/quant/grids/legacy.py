@@ -1,0 +1,127 @@
+"""The legacy 32-element block types: Q8_0, Q4_0, Q5_0 (symmetric) and Q4_1, Q5_1 (scale and min).
+
+Without an importance matrix the arithmetic is the one of ggml's reference quantizers, as the `gguf`
+package restates it (`gguf.quants`): the codes are byte-identical to `gguf.quants.quantize`. With
+one, llama.cpp searches each block as its K-quants do (`make_qx_quants` for Q4_0/Q5_0,
+`make_qkx3_quants` for Q4_1/Q5_1) with weights imatrix·sqrt(σ²_row + x²); Q8_0 ignores it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmopt.quant.grids.layout import BlockGrid, importance_major, to_rows
+from llmopt.quant.grids.numerics import blocks_major, c_max, c_min, c_sqrt, first_absmax, rdiv, seq_sum
+from llmopt.quant.grids.searches import make_qkx_quants, make_qx_quants
+from llmopt.quant.tensor import QuantizedTensor
+
+QK = 32
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    return torch.where(d == 0, torch.zeros_like(d), rdiv(1.0, torch.where(d == 0, torch.ones_like(d), d)))
+
+
+def _round_away(v: torch.Tensor) -> torch.Tensor:
+    """C's roundf (half away from zero), computed exactly as gguf's np_roundf does."""
+    a = v.abs()
+    floored = torch.floor(a)
+    return torch.sign(v) * (floored + torch.floor(2 * (a - floored)))
+
+
+def _row_sigma2(w: torch.Tensor) -> torch.Tensor:
+    """Σx²/n over each whole row, in index order: the σ² of llama.cpp's legacy imatrix weights."""
+    return seq_sum(w.t() * w.t()) / w.shape[1]
+
+
+@dataclass(frozen=True)
+class SymmetricGrid(BlockGrid):
+    """Q4_0 / Q5_0: w = d·(q - 2^(bits-1)), d = -max/2^(bits-1) from the largest-magnitude value."""
+
+    name: str
+    bits: int
+    block: int = QK
+
+    def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        rows = w.shape[0]
+        half = 1 << (self.bits - 1)
+        x = blocks_major(w, QK)
+        if importance is None:
+            d = first_absmax(x) / -half
+            q = torch.trunc(x * _inverse(d) + (half + 0.5)).clamp_(0, 2 * half - 1)
+            d16 = d.to(torch.float16)
+        else:
+            sigma2 = _row_sigma2(w).repeat_interleave(w.shape[1] // QK)
+            weights = importance_major(importance, rows, QK) * c_sqrt(sigma2 + x * x)
+            d, q = make_qx_quants(x, half, weights)
+            d16 = d.to(torch.float16)
+        return {"codes": to_rows(q, rows).to(torch.uint8), "d": d16.reshape(rows, -1)}
+
+    def assemble(self, out: dict[str, torch.Tensor]) -> QuantizedTensor:
+        scales = out["d"].to(torch.float32)
+        return QuantizedTensor(codes=out["codes"], scales=scales, bits=self.bits, group_size=QK, grid=self.name,
+                               aux={"d": out["d"]})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class AffineGrid(BlockGrid):
+    """Q4_1 / Q5_1: w = d·q + m with d = (max - min)/(2^bits - 1) and m = min."""
+
+    name: str
+    bits: int
+    block: int = QK
+
+    def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        rows = w.shape[0]
+        levels = (1 << self.bits) - 1
+        x = blocks_major(w, QK)
+        if importance is None:
+            mx, mn = c_max(x), c_min(x)
+            d = (mx - mn) / levels
+            q = torch.trunc((x - mn) * _inverse(d) + 0.5).clamp_(0, levels)
+            m = mn
+        else:
+            sigma2 = _row_sigma2(w).repeat_interleave(w.shape[1] // QK)
+            weights = importance_major(importance, rows, QK) * c_sqrt(sigma2 + x * x)
+            d, the_min, q = make_qkx_quants(x, weights, levels, -0.9, 0.05, 36, use_mad=False)
+            m = -the_min
+        return {
+            "codes": to_rows(q, rows).to(torch.uint8),
+            "d": d.to(torch.float16).reshape(rows, -1),
+            "m": m.to(torch.float16).reshape(rows, -1),
+        }
+
+    def assemble(self, out: dict[str, torch.Tensor]) -> QuantizedTensor:
+        return QuantizedTensor(
+            codes=out["codes"], scales=out["d"].to(torch.float32), mins=-out["m"].to(torch.float32), bits=self.bits,
+            group_size=QK, grid=self.name, aux={"d": out["d"], "m": out["m"]},
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Q8Grid(BlockGrid):
+    """Q8_0: w = d·q, q in [-127, 127] rounded half away from zero, d = amax/127 (codes stored +128).
+    llama.cpp ignores the importance matrix for Q8_0, and so do we."""
+
+    name: str = "Q8_0"
+    block: int = QK
+
+    def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        rows = w.shape[0]
+        x = blocks_major(w, QK)
+        d = x.abs().amax(dim=0) / 127
+        q = _round_away(x * _inverse(d))
+        return {"codes": (to_rows(q, rows) + 128).to(torch.uint8), "d": d.to(torch.float16).reshape(rows, -1)}
+
+    def assemble(self, out: dict[str, torch.Tensor]) -> QuantizedTensor:
+        return QuantizedTensor(codes=out["codes"], scales=out["d"].to(torch.float32), bits=8, group_size=QK,
+                               grid=self.name, aux={"d": out["d"]})  # fmt: skip
+
+
+Q4_0 = SymmetricGrid("Q4_0", 4)
+Q5_0 = SymmetricGrid("Q5_0", 5)
+Q4_1 = AffineGrid("Q4_1", 4)
+Q5_1 = AffineGrid("Q5_1", 5)
+Q8_0 = Q8Grid()

@@ -1,0 +1,107 @@
+"""Float32 arithmetic as ggml's C reference quantizers do it, so that our codes match theirs bit for bit.
+
+ggml's reference quantizers run plain float32 C (no FMA, no reassociation): every product and
+quotient is rounded to float32, every accumulator adds its terms in index order, `nearest_int` rounds
+half to even (the 1.5·2^23 trick) and fp16 conversion rounds to nearest even. Our searches work on
+tensors laid out element-major, `[n, blocks]`, so that a C loop over the n elements of a block becomes
+n vectorized steps over all blocks at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+GROUP_MAX_EPS = 1e-15  # ggml's threshold under which a group counts as all zeros
+
+
+def c_float(value: float) -> float:
+    """A Python float holding exactly the float32 value C would compute for `value`."""
+    return float(np.float32(value))
+
+
+def c_step(base: float, delta: float, step: int) -> float:
+    """C's float32 `base + delta*step` (as in `rmin + rdelta*is`), rounded like the C expression."""
+    return c_float(np.float32(base) + np.float32(delta) * np.float32(step))
+
+
+def nearest_int(v: torch.Tensor) -> torch.Tensor:
+    """ggml's nearest_int: round half to even (kept as float32 for further float math)."""
+    return torch.round(v)
+
+
+def nearest_int_exact(v: torch.Tensor) -> torch.Tensor:
+    """nearest_int bit for bit, including its wrap-around outside |v| <= 2^22 (a ratio of two sums can
+    get there); use where the argument is not bounded by the level range."""
+    bits = (v + 12582912.0).view(torch.int32)
+    return ((bits & 0x007FFFFF) - 0x00400000).to(torch.float32)
+
+
+def seq_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 0 in index order with a float32 accumulator, as a C `for` loop does."""
+    acc = t[0].clone()
+    for i in range(1, t.shape[0]):
+        acc += t[i]
+    return acc
+
+
+def fp16(v: torch.Tensor) -> torch.Tensor:
+    """GGML_FP32_TO_FP16 then back to float32: the value the file stores."""
+    return v.to(torch.float16).to(torch.float32)
+
+
+def first_absmax(x: torch.Tensor) -> torch.Tensor:
+    """Per block (dim 0 = elements), the signed value of largest magnitude, first one on ties, +0 for
+    an all-zero block (C: `max = 0; if (fabsf(x) > amax) ...`)."""
+    idx = x.abs().argmax(dim=0, keepdim=True)
+    value = x.gather(0, idx)[0]
+    return torch.where(value != 0, value, torch.zeros_like(value))
+
+
+def _first_equal(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The first element of each block equal to `value`: its sign is the one a C loop keeps for ±0."""
+    idx = (x == value).to(torch.uint8).argmax(dim=0, keepdim=True)
+    return x.gather(0, idx)[0]
+
+
+def c_min(x: torch.Tensor) -> torch.Tensor:
+    """min over dim 0 as `if (x[i] < min) min = x[i]` leaves it (first of equal values: -0 vs +0)."""
+    return _first_equal(x, x.amin(dim=0))
+
+
+def c_max(x: torch.Tensor) -> torch.Tensor:
+    """max over dim 0 as `if (x[i] > max) max = x[i]` leaves it."""
+    return _first_equal(x, x.amax(dim=0))
+
+
+def positive_max(v: torch.Tensor, dim: int) -> torch.Tensor:
+    """C's `m = 0; if (v > m) m = v`: the largest value, or +0 when none is positive."""
+    m = v.amax(dim=dim)
+    return torch.where(m > 0, m, torch.zeros_like(m))
+
+
+def c_sqrt(v: torch.Tensor) -> torch.Tensor:
+    """sqrtf, correctly rounded. (torch's vectorized float32 sqrt is off by one ulp for ~20% of inputs;
+    the float64 root rounded to float32 is the exact float32 root.)"""
+    return torch.sqrt(v.to(torch.float64)).to(torch.float32)
+
+
+def rdiv(num: float, den: torch.Tensor) -> torch.Tensor:
+    """C's float `num / den` for a constant numerator. (`num / tensor` in torch multiplies by the
+    reciprocal, rounding twice; dividing a 0-d tensor rounds once, as C does.)"""
+    return torch.tensor(num, dtype=torch.float32) / den
+
+
+def safe_div(num: torch.Tensor | float, den: torch.Tensor) -> torch.Tensor:
+    """num / den where den != 0 (callers mask the other lanes), without inf/nan warnings leaking."""
+    return num / torch.where(den == 0, torch.ones_like(den), den)
+
+
+def blocks_major(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[rows, cols] -> [n, rows*cols/n]: element j of every consecutive n-block, contiguous per j."""
+    return x.reshape(-1, n).t().contiguous()
+
+
+def uint8_wrap(v: torch.Tensor) -> torch.Tensor:
+    """C's `(uint8_t) int`: wrap modulo 256 (matters only for the rare negative sub-scale)."""
+    return torch.remainder(v, 256)

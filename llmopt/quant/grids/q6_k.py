@@ -1,0 +1,53 @@
+"""Q6_K: 256-element super-blocks of 16 sub-blocks of 16 with signed 8-bit scales: w = d·sc[j]·(q - 32).
+
+llama.cpp's reference chooses each sub-block's scale with `make_qx_quants` (x²-weighted, or
+imatrix-weighted when one is given), rounds the scales to int8 against the largest one and
+requantizes the sub-blocks with the stored scales.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmopt.quant.grids.layout import QK_K, BlockGrid, importance_major, per_block, to_rows
+from llmopt.quant.grids.numerics import GROUP_MAX_EPS, blocks_major, first_absmax, fp16, nearest_int, rdiv
+from llmopt.quant.grids.searches import make_qx_quants
+from llmopt.quant.tensor import QuantizedTensor
+
+SUB = 16
+N_SUB = QK_K // SUB
+
+
+class Q6KGrid(BlockGrid):
+    name = "Q6_K"
+    block = QK_K
+
+    def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        rows = w.shape[0]
+        x = blocks_major(w, SUB)
+        qw = None if importance is None else importance_major(importance, rows, SUB)
+        scales, L = make_qx_quants(x, 32, qw)
+        by_sb = scales.reshape(-1, N_SUB).t()
+        max_scale = first_absmax(by_sb)
+        zero = max_scale.abs() < GROUP_MAX_EPS
+        iscale = rdiv(-128.0, torch.where(zero, torch.ones_like(max_scale), max_scale))
+        d = torch.where(zero, torch.zeros_like(iscale), fp16(rdiv(1.0, iscale)))
+        sc = nearest_int(per_block(iscale, N_SUB) * scales).clamp(max=127)
+        sc = torch.where(per_block(zero, N_SUB), torch.zeros_like(sc), sc)
+        dd = per_block(d, N_SUB) * sc
+        requant = nearest_int(x / torch.where(dd == 0, torch.ones_like(dd), dd)).clamp_(-32, 31) + 32
+        L = torch.where(dd == 0, L, requant)
+        L = torch.where(per_block(zero, N_SUB), torch.zeros_like(L), L)  # an all-zero block is stored as zeros
+        return {
+            "codes": to_rows(L, rows).to(torch.uint8),
+            "d": d.reshape(rows, -1).to(torch.float16),
+            "sc": sc.reshape(rows, -1).to(torch.int8),
+        }
+
+    def assemble(self, out: dict[str, torch.Tensor]) -> QuantizedTensor:
+        d = out["d"].to(torch.float32).repeat_interleave(N_SUB, dim=1)
+        return QuantizedTensor(codes=out["codes"], scales=d * out["sc"].to(torch.float32), bits=6, group_size=SUB,
+                               grid="Q6_K", aux={"d": out["d"], "sc": out["sc"]})  # fmt: skip
+
+
+Q6_K = Q6KGrid()

@@ -1,0 +1,186 @@
+"""llama.cpp's scale searches (ggml-quants.c), vectorized over blocks.
+
+Every function takes values laid out element-major, `x[n, B]` (n elements of each of B blocks), and
+returns per-block scales `[B]` and integer levels `L[n, B]` (float32 holding integers), following the
+C reference step by step so the same inputs give the same levels:
+
+- `make_qx_quants`: symmetric levels in [-nmax, nmax), a weighted least-squares scale refined over
+  18 trial inverse scales (Q3_K/Q6_K sub-blocks, Q3_K super-scales, Q4_0/Q5_0 with an imatrix).
+- `make_q3_quants`: Q3_K's symmetric search with coordinate-descent refinement of single levels.
+- `make_qkx_quants`: asymmetric levels in [0, nmax] with a min, least-squares scale and min over a
+  sweep of trial scales (`make_qkx2_quants` for Q2_K/Q4_K/Q5_K, `make_qkx3_quants` with an imatrix).
+- `make_qp_quants`: positive levels for the sub-block scales of imatrix-weighted K-quants.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmopt.quant.grids.numerics import (
+    GROUP_MAX_EPS,
+    c_float,
+    c_max,
+    c_min,
+    c_step,
+    first_absmax,
+    nearest_int,
+    nearest_int_exact,
+    positive_max,
+    rdiv,
+    safe_div,
+    seq_sum,
+)
+
+
+def make_qx_quants(x: torch.Tensor, nmax: int, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric search (rmse_type 1): weights default to x², levels returned offset by +nmax."""
+    w = x * x if weights is None else weights
+    mx = first_absmax(x)
+    zero = x.abs().amax(dim=0) < GROUP_MAX_EPS
+    mx_safe = torch.where(zero, torch.ones_like(mx), mx)
+    wx = w * x
+
+    def trial(iscale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        l = nearest_int(iscale * x).clamp_(-nmax, nmax - 1)
+        return l, seq_sum(wx * l), seq_sum(w * l * l)
+
+    l, sumlx, suml2 = trial(rdiv(-float(nmax), mx_safe))
+    levels = l + nmax
+    scale = torch.where(suml2 != 0, safe_div(sumlx, suml2), torch.zeros_like(sumlx))
+    best = scale * sumlx
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        l, sumlx, suml2 = trial(rdiv(-c_step(nmax, 0.1, step), mx_safe))
+        better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+        levels = torch.where(better, l + nmax, levels)
+        scale = torch.where(better, safe_div(sumlx, suml2), scale)
+        best = torch.where(better, scale * sumlx, best)
+    levels = torch.where(zero, torch.zeros_like(levels), levels)
+    return torch.where(zero, torch.zeros_like(scale), scale), levels
+
+
+def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q3_K's reference search (do_rmse): x²-weighted scale, then up to 5 passes moving single levels."""
+    mx = first_absmax(x)
+    zero = x.abs().amax(dim=0) < GROUP_MAX_EPS
+    iscale = rdiv(-float(nmax), torch.where(zero, torch.ones_like(mx), mx))
+    L = nearest_int(iscale * x).clamp_(-nmax, nmax - 1)
+    w = x * x
+    wx = w * x
+    sumlx = seq_sum(wx * L)
+    suml2 = seq_sum(w * L * L)
+    sumlx, suml2 = _move_single_levels(x, w, L, sumlx, suml2, -nmax, nmax - 1, require_sl2_first=False)
+    scale = torch.where(suml2 > 0, safe_div(sumlx, suml2), torch.zeros_like(sumlx))
+    levels = torch.where(zero, torch.zeros_like(L), L + nmax)
+    return torch.where(zero, torch.zeros_like(scale), scale), levels
+
+
+def _move_single_levels(x: torch.Tensor, w: torch.Tensor, L: torch.Tensor, sumlx: torch.Tensor, suml2: torch.Tensor,
+                        lo: int | None, hi: int, require_sl2_first: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Up to 5 passes over the elements in order, moving one level at a time to the value that
+    best fits the others' least-squares scale, keeping a move only if it raises sumlx²/suml2.
+    Updates L in place and returns the final (sumlx, suml2). make_q3_quants checks suml2 of the
+    move after it; make_qp_quants checks the remaining suml2 before it."""
+    wx = w * x
+    for _ in range(5):
+        changed = torch.zeros_like(sumlx, dtype=torch.bool)
+        for i in range(x.shape[0]):
+            slx = sumlx - wx[i] * L[i]
+            sl2 = suml2 - w[i] * L[i] * L[i]
+            ok = (slx > 0) & (sl2 > 0) if require_sl2_first else slx > 0
+            new_l = nearest_int_exact(x[i] * sl2 / torch.where(ok, slx, torch.ones_like(slx))).clamp_(lo, hi)
+            cand = ok & (new_l != L[i])
+            slx = slx + wx[i] * new_l
+            sl2 = sl2 + w[i] * new_l * new_l
+            accept = cand & (slx * slx * suml2 > sumlx * sumlx * sl2)
+            if not require_sl2_first:
+                accept &= sl2 > 0
+            L[i] = torch.where(accept, new_l, L[i])
+            sumlx = torch.where(accept, slx, sumlx)
+            suml2 = torch.where(accept, sl2, suml2)
+            changed |= accept
+        if not bool(changed.any()):
+            break
+    return sumlx, suml2
+
+
+def make_qkx_quants(
+    x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric search (make_qkx2_quants / make_qkx3_quants): returns (scale, the_min >= 0, levels).
+
+    Each trial inverse scale is measured from the best min found so far, so the trials run in order.
+    """
+    w = weights
+    mn = c_min(x)
+    mn = torch.where(mn > 0, torch.zeros_like(mn), mn)
+    mx = c_max(x)
+    flat = mx <= mn
+    sum_w = seq_sum(w)
+    sum_x = seq_sum(w * x)
+
+    def error(scale: torch.Tensor, minimum: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+        diff = scale * levels + minimum - x
+        diff = diff.abs() if use_mad else diff * diff
+        return seq_sum(w * diff)
+
+    rng = torch.where(flat, torch.ones_like(mx), mx - mn)
+    iscale = rdiv(float(nmax), rng)
+    scale = rdiv(1.0, iscale)
+    L = nearest_int(iscale * (x - mn)).clamp_(0, nmax)
+    best = error(scale, mn, L)
+    for step in range(nstep + 1):
+        iscale = c_step(rmin, rdelta, step) + nmax
+        iscale = rdiv(c_float(iscale), torch.where(flat, torch.ones_like(mx), mx - mn))
+        l = nearest_int(iscale * (x - mn)).clamp_(0, nmax)
+        wl = w * l
+        sum_l = seq_sum(wl)
+        sum_l2 = seq_sum(wl * l)
+        sum_xl = seq_sum(wl * x)
+        D = sum_w * sum_l2 - sum_l * sum_l
+        this_scale = safe_div(sum_w * sum_xl - sum_x * sum_l, D)
+        this_min = safe_div(sum_l2 * sum_x - sum_l * sum_xl, D)
+        positive = this_min > 0
+        this_scale = torch.where(positive, safe_div(sum_xl, sum_l2), this_scale)
+        this_min = torch.where(positive, torch.zeros_like(this_min), this_min)
+        cur = error(this_scale, this_min, l)
+        better = (D > 0) & (cur < best) & ~flat
+        L = torch.where(better, l, L)
+        best = torch.where(better, cur, best)
+        scale = torch.where(better, this_scale, scale)
+        mn = torch.where(better, this_min, mn)
+    L = torch.where(flat, torch.zeros_like(L), L)
+    scale = torch.where(flat, torch.zeros_like(scale), scale)
+    return scale, -mn, L
+
+
+def make_qp_quants(x: torch.Tensor, nmax: int, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Levels in [0, nmax] for non-negative x (sub-block scales or mins) under importance weights."""
+    w = weights
+    mx = positive_max(x, dim=0)
+    zero = mx < GROUP_MAX_EPS
+    mx_safe = torch.where(zero, torch.ones_like(mx), mx)
+
+    def mse(scale: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+        diff = x - scale * levels
+        return seq_sum(w * diff * diff)
+
+    iscale = rdiv(float(nmax), mx_safe)
+    best = mse(rdiv(1.0, iscale), nearest_int(iscale * x))
+    for step in range(-4, 5):
+        if step == 0:
+            continue
+        iscale_is = rdiv(c_step(nmax, 0.1, step), mx_safe)
+        cur = mse(rdiv(1.0, iscale_is), nearest_int(iscale_is * x).clamp_(max=nmax))
+        better = cur < best
+        best = torch.where(better, cur, best)
+        iscale = torch.where(better, iscale_is, iscale)
+    L = nearest_int(iscale * x).clamp_(max=nmax)
+    wx = w * x
+    sumlx = seq_sum(wx * L)
+    suml2 = seq_sum(w * L * L)
+    sumlx, suml2 = _move_single_levels(x, w, L, sumlx, suml2, None, nmax, require_sl2_first=True)
+    scale = torch.where(suml2 > 0, safe_div(sumlx, suml2), torch.zeros_like(sumlx))
+    L = torch.where(zero, torch.zeros_like(L), L)
+    return torch.where(zero, torch.zeros_like(scale), scale), L

@@ -1,0 +1,91 @@
+"""Our grids against llama.cpp's quantizer (ggml_quantize_chunk) and the gguf package, byte for byte."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from llmopt.errors import InputError
+from llmopt.formats.gguf.blocks import pack
+from llmopt.quant.grids import GRIDS, quantize
+from tests.quant.grids.ggml_reference import ggml_quantize
+
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+LEGACY = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+
+
+def weights(rows: int = 48, cols: int = 512, seed: int = 0) -> torch.Tensor:
+    """fp16-representable weights (as from an fp16 checkpoint) with the awkward cases mixed in."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * 0.02
+    w[1] = 0.0  # all-zero row
+    w[2] = 0.25  # constant row
+    w[3, ::7] = 0.0
+    w[4, 5] = 3.0  # outlier
+    w[5] = w[5].abs()  # no negative value
+    w[6] = -w[6].abs()  # no positive value
+    w[7] = torch.randint(-3, 4, (cols,), generator=g) * 0.01  # few distinct values: ties everywhere
+    w[8, : cols // 2] = 0.0
+    w[9] = torch.randn(cols, generator=g) * 300
+    w[10] = -0.0  # signed zeros: C keeps the sign of the first one it meets
+    w[10, 3::5] = 0.0
+    return w.half().float()
+
+
+def importance(kind: str, cols: int = 512) -> torch.Tensor | None:
+    if kind == "none":
+        return None
+    if kind == "zeros":
+        return torch.zeros(cols)
+    g = torch.Generator().manual_seed(1)
+    return torch.rand(cols, generator=g) ** 4 * 10  # a few channels dominate, as in real imatrices
+
+
+@pytest.mark.parametrize("imatrix", ["none", "random", "zeros"])
+@pytest.mark.parametrize("type_name", TYPES)
+def test_bytes_match_llama_cpp(type_name: str, imatrix: str) -> None:
+    w, imp = weights(), importance(imatrix)
+    ref = ggml_quantize(type_name, w.numpy(), None if imp is None else imp.numpy())
+    ours = pack(quantize(type_name, w, imp))
+    assert ours.shape == ref.shape
+    differing = np.flatnonzero((ours != ref).any(axis=1))
+    assert differing.size == 0, f"rows {differing.tolist()} differ from llama.cpp"
+
+
+@pytest.mark.parametrize("type_name", LEGACY)
+def test_legacy_bytes_match_gguf_package(type_name: str) -> None:
+    w = weights()[11:]  # the gguf package and C disagree on the sign of zero in all-zero blocks
+    ref = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[type_name])
+    assert np.array_equal(pack(quantize(type_name, w)), ref)
+
+
+@pytest.mark.parametrize("imatrix", ["none", "random"])
+@pytest.mark.parametrize("type_name", TYPES)
+def test_dequantize_equals_gguf_package(type_name: str, imatrix: str) -> None:
+    w = weights(rows=16, seed=3)
+    qt = quantize(type_name, w, importance(imatrix))
+    theirs = gguf.quants.dequantize(pack(qt), gguf.GGMLQuantizationType[type_name])
+    assert np.array_equal(qt.dequantize().numpy(), theirs.reshape(w.shape))
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_quantized_tensor_contract(type_name: str) -> None:
+    w = weights(rows=24, seed=4)
+    qt = quantize(type_name, w)
+    assert qt.grid == type_name and qt.shape == tuple(w.shape)
+    assert int(qt.codes.max()) < 2**qt.bits
+    assert qt.scales.shape[1] * qt.group_size == w.shape[1]
+    err = (qt.dequantize() - w)[11:].pow(2).mean().sqrt() / w[11:].pow(2).mean().sqrt()
+    assert err < {2: 0.45, 3: 0.25, 4: 0.12, 5: 0.06, 6: 0.03, 8: 0.01}[qt.bits]
+
+
+def test_rejects_rows_that_do_not_fill_blocks() -> None:
+    with pytest.raises(InputError):
+        quantize("Q4_K", torch.zeros(4, 576))
+    with pytest.raises(InputError):
+        quantize("Q4_0", torch.zeros(4, 48))
+    with pytest.raises(InputError):
+        quantize("IQ2_XS", torch.zeros(4, 256))
+    assert set(GRIDS) == set(TYPES)

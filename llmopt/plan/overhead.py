@@ -5,8 +5,8 @@ Three parts, each an estimate of what an engine such as llama.cpp or vLLM alloca
   hidden states, q/k/v, the SwiGLU intermediates, and the attention score matrix of the chunk
   against the whole context (chunk x heads x context; kernels without flash attention hold it);
 - the logits buffer: one float32 row of the vocabulary per sequence in the batch;
-- a per-device constant: the CUDA context, cuBLAS workspace and allocator slack (~0.5 GiB
-  measured on recent drivers); zero on CPU.
+- a per-device constant: the CUDA context, cuBLAS workspace and allocator slack (~0.5 GiB on
+  recent drivers); zero when planning for CPU memory.
 """
 
 from __future__ import annotations

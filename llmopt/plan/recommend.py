@@ -22,7 +22,7 @@ from llmopt.plan.gguf_file import gguf_file_bytes
 from llmopt.plan.kv_cache import kv_bytes_per_token
 from llmopt.plan.models import PlanModel, all_presets
 from llmopt.plan.overhead import Overhead, runtime_overhead
-from llmopt.plan.quality import GOOD, Quality, class_index, quality, quality_key
+from llmopt.plan.quality import GOOD, Quality, class_index, quality
 from llmopt.plan.roofline import Device, decode_bytes_per_step, decode_tokens_per_s, prefill_flops, prefill_seconds
 from llmopt.plan.weights import WeightFormat, WeightSize, awq_format, gguf_format, gptq_format, weight_size
 
@@ -52,10 +52,6 @@ class Budget:
     memory_bytes: int  # per device
     gpu: GPU | None = None
     bandwidth_gbs: float | None = None  # per device; overrides the GPU's
-
-    @property
-    def on_gpu(self) -> bool:
-        return True  # the device constant is charged unless the caller plans for CPU (not offered)
 
     def device(self, tp: int) -> Device | None:
         bw = self.bandwidth_gbs or (self.gpu.bandwidth_gbs if self.gpu else None)
@@ -118,7 +114,7 @@ def make_row(model: PlanModel, size: WeightSize, workload: Workload, budget: Bud
     arch, tp = model.arch, workload.tp
     per_token = kv_bytes_per_token(arch, workload.kv_dtype)
     kv_total = per_token * workload.context * workload.batch
-    overhead = runtime_overhead(arch, workload.context, workload.batch, on_gpu=budget.on_gpu, tp=tp)
+    overhead = runtime_overhead(arch, workload.context, workload.batch, tp=tp)
     total = -(-size.total_bytes // tp) + kv_bytes_per_device(model, kv_total, tp) + overhead.total
     headroom = budget.memory_bytes - total
     fits = "no" if headroom < 0 else "tight" if headroom < HEADROOM_FRACTION * budget.memory_bytes else "yes"
@@ -256,7 +252,7 @@ def recommend_over_presets(workload: Workload, budget: Budget,
     best: list[Row] = []
     per_model: dict[str, list[Row]] = {}
     for m in models:
-        rows = plan_rows(m, replace(workload, context=workload.context), budget)
+        rows = plan_rows(m, workload, budget)
         per_model[m.name] = rows
         row = pick(rows, "quality") or min(rows, key=lambda r: r.total_bytes)
         best.append(row)
@@ -322,10 +318,3 @@ def _model_info(model: PlanModel, workload: Workload) -> dict[str, Any]:
         "gguf_metadata_bytes": model.metadata_bytes, "gguf_metadata_exact": model.metadata_exact,
     }  # fmt: skip
 
-
-def format_names() -> list[str]:
-    return [f.name for f in CANDIDATES]
-
-
-__all__ = ["Budget", "CANDIDATES", "Row", "USE_CASES", "Workload", "pick", "plan_rows", "quality_key",
-           "recommend_for_model", "recommend_over_presets"]

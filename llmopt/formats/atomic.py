@@ -20,9 +20,7 @@ def atomic_output_dir(target: Path, force: bool = False) -> Iterator[Path]:
         raise InputError(f"{target}: already exists (use --force to replace it)")
     if target.exists() and not target.is_dir():
         raise InputError(f"{target}: exists and is not a directory")
-    parent = target.parent
-    if not parent.is_dir():
-        raise InputError(f"{parent}: output folder does not exist")
+    parent = _make_parent(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
     tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the result should look like mkdir's
     try:
@@ -43,8 +41,7 @@ def atomic_output_dir(target: Path, force: bool = False) -> Iterator[Path]:
 def atomic_output_file(target: Path, force: bool = True) -> Iterator[Path]:
     """Yield a temporary file path next to `target`; on success it is renamed to `target`."""
     target = target.expanduser().resolve()
-    if not target.parent.is_dir():
-        raise InputError(f"{target.parent}: output folder does not exist")
+    _make_parent(target)
     if target.is_dir():
         raise InputError(f"{target}: is a directory")
     if target.exists() and not force:
@@ -65,3 +62,12 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def _make_parent(target: Path) -> Path:
+    """Create missing parent folders (as `mkdir -p`), with a one-line error when that is impossible."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"{target.parent}: cannot create the output folder ({e.strerror})") from None
+    return target.parent

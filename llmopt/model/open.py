@@ -26,6 +26,6 @@ def open_model(spec: str | Path) -> ModelSource:
         raise InputError(f"{path}: not a model (expected an HF directory or a .gguf file)")
     if path.exists():
         raise InputError(f"{path}: not a regular file or directory")
-    if looks_like_hub_id(str(spec)):
+    if looks_like_hub_id(str(spec)) and not path.parent.exists():  # "build/x" with build/ present is a path
         return open_hf_dir(resolve_hub_id(str(spec)))
     raise InputError(f"{spec}: no such file or directory")

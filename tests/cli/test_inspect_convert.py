@@ -57,6 +57,7 @@ def test_convert_gguf_to_hf_matches_transformers_gguf_loader(llmopt_cli, tiny_gg
 
 
 def test_convert_dtype_and_force(llmopt_cli, tiny_ggufs, tmp_path):
+    """Missing parent folders are created; --force replaces; no temporary folder is left."""
     out = tmp_path / "hf"
     for dtype in ("bfloat16", "float16"):
         result = llmopt_cli("convert", tiny_ggufs("qwen2"), "--to", "hf", "-o", out, "--dtype", dtype, "--force")
@@ -65,3 +66,6 @@ def test_convert_dtype_and_force(llmopt_cli, tiny_ggufs, tmp_path):
         assert {t.dtype for t in src.tensors.values()} == {"F16"}
         assert src.metadata["torch_dtype"] == "float16"
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]
+    nested = tmp_path / "a" / "b" / "hf"
+    assert llmopt_cli("convert", tiny_ggufs("qwen2"), "--to", "hf", "-o", nested).returncode == 0
+    assert (nested / "config.json").is_file()

@@ -67,3 +67,10 @@ def test_hub_id_offline_not_cached(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(InputError, match="not in the cache"):
         open_model("nobody-here/no-such-model")
+
+
+def test_relative_path_under_existing_folder_is_not_a_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "build").mkdir()
+    with pytest.raises(InputError, match="build/missing: no such file or directory"):
+        open_model("build/missing")

@@ -1,27 +1,26 @@
 """A GGUF file: metadata, tensors of any type (dequantized on demand), and its tokenizer.
 
-The container is parsed by the `gguf` package's reader and tensors are dequantized with its
-reference code; names are mapped to HF names and llama.cpp's Q/K row permutation is undone, so
-callers see exactly what an HF directory would hold.
+The header is parsed by `gguf_header` (fast, numpy-backed) and tensors are dequantized with the
+`gguf` package's reference code; names are mapped to HF names and llama.cpp's Q/K row
+permutation is undone, so callers see exactly what an HF directory would hold.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from llmopt.errors import InputError
 from llmopt.model.arch import ArchSpec
 from llmopt.model.families.base import GGUF_ONLY, unpermute_from_gguf
+from llmopt.model.gguf_header import MAGIC as GGUF_MAGIC  # noqa: F401 - re-exported for open.py
+from llmopt.model.gguf_header import GGUFTensor, read_gguf
 from llmopt.model.source import ModelSource, TensorInfo
 from llmopt.model.tokenizer import TokenizerInfo, tokenizer_from_gguf
-
-GGUF_MAGIC = b"GGUF"
 
 
 class GGUFSource(ModelSource):
@@ -29,37 +28,26 @@ class GGUFSource(ModelSource):
 
     def __init__(self, path: Path):
         self.path = path
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            magic = f.read(4)
-        if magic != GGUF_MAGIC:
-            raise InputError(f"{path}: not a GGUF file (bad magic {magic!r})")
-        try:
-            self._reader = GGUFReader(path)
-        except Exception as e:  # the reader raises ValueError, struct.error, IndexError... on damage
-            raise InputError(f"{path}: corrupt or truncated GGUF ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'unreadable'})") from None
-        for t in self._reader.tensors:
-            if t.data_offset + t.n_bytes > size:
-                raise InputError(f"{path}: truncated GGUF (tensor {t.name} ends past the end of the file)")
-        self.metadata = read_metadata(self._reader)
-        self._by_stored = {t.name: t for t in self._reader.tensors}
+        self.metadata, raw_tensors, self._map = read_gguf(path)
+        self._by_stored = {t.name: t for t in raw_tensors}
         self.arch = ArchSpec.from_gguf_metadata(self.metadata, set(self._by_stored))
         family = self.arch.family
         self.tensors = {}
         self.unmapped: list[str] = []  # GGUF-only tensors (rope_freqs) kept out of the HF view
-        for t in self._reader.tensors:
+        for t in raw_tensors:
             hf = family.gguf_to_hf_name(t.name)
             if hf is None:
                 if t.name not in GGUF_ONLY:
                     raise InputError(f"{path}: unknown tensor {t.name!r} for architecture {family.gguf_arch}")
                 self.unmapped.append(t.name)
                 continue
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            shape = tuple(int(d) for d in reversed(t.shape))
             self.tensors[hf] = TensorInfo(hf, t.name, shape, t.tensor_type.name, int(t.n_bytes))
         self._tokenizer: TokenizerInfo | None = None
         self._tokenizer_read = False
 
-    def stored_tensor(self, stored_name: str):  # the gguf ReaderTensor, for tools that need raw blocks
+    def stored_tensor(self, stored_name: str) -> GGUFTensor:
+        """The raw tensor as stored (type, ggml shape, bytes), for tools that need blocks, not floats."""
         return self._by_stored[stored_name]
 
     def load(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
@@ -88,17 +76,5 @@ class GGUFSource(ModelSource):
 
     def close(self) -> None:
         self._by_stored.clear()
-        self._reader = None  # drops the memory map
+        self._map = None  # drops the memory map
 
-
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
-    """All key/value pairs of a GGUF file as Python values (arrays as lists)."""
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception as e:
-            raise InputError(f"{reader.data.filename if hasattr(reader.data, 'filename') else 'GGUF'}: unreadable metadata {key!r} ({e})") from None
-    return meta

@@ -74,3 +74,21 @@ def test_relative_path_under_existing_folder_is_not_a_hub_id(tmp_path, monkeypat
     (tmp_path / "build").mkdir()
     with pytest.raises(InputError, match="build/missing: no such file or directory"):
         open_model("build/missing")
+
+
+def test_fast_header_reader_agrees_with_gguf_package(smollm2_gguf):
+    """Our numpy-backed header parser against the gguf package's GGUFReader on the real file."""
+    import gguf
+    import numpy as np
+
+    from llmopt.model.gguf_header import read_gguf
+
+    meta, tensors, _ = read_gguf(smollm2_gguf)
+    ref = gguf.GGUFReader(smollm2_gguf)
+    ref_meta = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert meta == ref_meta
+    assert [t.name for t in tensors] == [t.name for t in ref.tensors]
+    for ours, theirs in zip(tensors, ref.tensors):
+        assert ours.tensor_type == theirs.tensor_type and ours.n_bytes == theirs.n_bytes
+        assert ours.shape == tuple(int(d) for d in theirs.shape)
+        assert np.array_equal(np.asarray(ours.data).view(np.uint8), np.asarray(theirs.data).view(np.uint8))

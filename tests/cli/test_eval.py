@@ -1,0 +1,64 @@
+"""`llmopt eval` as a user runs it: the report, --json, gates exiting 1, bad input exiting 2."""
+
+import json
+
+import pytest
+
+from tests.cli.inprocess import llmopt_here  # noqa: F401
+from tests.cli.test_bad_input import assert_clean_failure
+from tests.factories import CORPUS
+
+WIKITEXT_TEST = "/work/shared/data/wikitext-2/test.txt"
+
+
+@pytest.fixture
+def text(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(CORPUS)
+    return path
+
+
+def test_report_and_json(llmopt_here, tiny_models, text):
+    r = llmopt_here("eval", tiny_models("llama"), "--data", text, "--ctx", "32", "--windows", "3", "--ref", tiny_models("mistral"))
+    assert r.returncode == 0, r.stderr
+    for label in ("perplexity", "ref perplexity", "KL(ref || model)", "top-1 agreement"):
+        assert label in r.stdout
+    data = json.loads(llmopt_here("eval", tiny_models("llama"), "--data", text, "--ctx", "32", "--windows", "3",
+                                 "--ref", tiny_models("mistral"), "--json").stdout)
+    assert data["windows"] == 3 and data["tokens_scored"] == 3 * 31 and data["passed"] is True
+    assert {"perplexity", "ref_perplexity", "kl_divergence", "top1_agreement", "ppl_increase_pct"} <= data.keys()
+
+
+def test_gates_pass_against_itself_and_fail_with_exit_1(llmopt_here, llmopt_cli, tiny_models, text):
+    model = tiny_models("llama")
+    ok = llmopt_here("eval", model, "--data", text, "--ctx", "32", "--windows", "2", "--ref", model,
+                    "--max-ppl-increase", "0.01", "--min-top1", "100")
+    assert ok.returncode == 0, ok.stderr
+    bad = llmopt_cli("eval", model, "--data", text, "--ctx", "32", "--windows", "2", "--ref", tiny_models("qwen2"),
+                     "--min-top1", "99.9", "--json")
+    assert bad.returncode == 1, bad.stderr
+    assert json.loads(bad.stdout)["passed"] is False
+    assert "top1_agreement_pct" in bad.stderr and "FAIL" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--min-top1", "90"], "give --ref"),
+    (["--windows", "1000"], "fewer than"),
+    (["--ctx", "1"], "--ctx"),
+])
+def test_bad_input_is_one_line_exit_2(llmopt_here, tiny_models, text, args, expect):
+    assert_clean_failure(llmopt_here("eval", tiny_models("llama"), "--data", text, *args), expect)
+
+
+def test_missing_data_file(llmopt_here, tiny_models, tmp_path):
+    assert_clean_failure(llmopt_here("eval", tiny_models("llama"), "--data", tmp_path / "none.txt"), "cannot read")
+
+
+@pytest.mark.slow
+def test_smollm2_wikitext_perplexity(llmopt_cli, smollm2_hf):
+    """The project's perplexity definition on the fp16 model: transformers gives 25.61."""
+    r = llmopt_cli("eval", smollm2_hf, "--data", WIKITEXT_TEST, "--ctx", "512", "--windows", "40", "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    print(f"SmolLM2 fp16 wikitext-2 test perplexity (ctx 512, 40 windows): {data['perplexity']:.4f}")
+    assert 25.4 < data["perplexity"] < 25.8

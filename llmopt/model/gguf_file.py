@@ -28,7 +28,8 @@ class GGUFSource(ModelSource):
 
     def __init__(self, path: Path):
         self.path = path
-        self.metadata, raw_tensors, self._map = read_gguf(path)
+        header = read_gguf(path)
+        self.metadata, raw_tensors, self._map = header.metadata, header.tensors, header.map
         self._by_stored = {t.name: t for t in raw_tensors}
         self.arch = ArchSpec.from_gguf_metadata(self.metadata, set(self._by_stored))
         family = self.arch.family

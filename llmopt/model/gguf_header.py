@@ -34,6 +34,15 @@ class GGUFTensor:
     data: np.ndarray  # raw bytes, [rows, bytes_per_row] for block types, typed for F32/F16/BF16
 
 
+@dataclass
+class GGUFHeader:
+    metadata: dict[str, Any]
+    tensors: list[GGUFTensor]
+    kv_bytes: dict[str, int]  # bytes each key/value pair takes in the file (key, type and value)
+    alignment: int
+    map: np.memmap
+
+
 class _Cursor:
     def __init__(self, buf: memoryview):
         self.buf, self.pos = buf, 0
@@ -67,8 +76,8 @@ class _Cursor:
         raise ValueError(f"unknown GGUF value type {vtype}")
 
 
-def read_gguf(path: Path) -> tuple[dict[str, Any], list[GGUFTensor], np.memmap]:
-    """(metadata, tensors, the file's memory map). Raises InputError on anything malformed."""
+def read_gguf(path: Path) -> GGUFHeader:
+    """Metadata, tensors (data memory-mapped) and layout facts. Raises InputError when malformed."""
     size = path.stat().st_size
     if size < 24:
         raise InputError(f"{path}: not a GGUF file (only {size} bytes)")
@@ -84,9 +93,12 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], list[GGUFTensor], np.memmap]:
             raise InputError(f"{path}: unsupported GGUF version {version} (llmopt reads versions 2 and 3)")
         n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
         meta: dict[str, Any] = {}
+        kv_bytes: dict[str, int] = {}
         for _ in range(n_kv):
+            start = cur.pos
             key = cur.string()
             meta[key] = cur.value(cur.unpack("<I"))
+            kv_bytes[key] = cur.pos - start
         infos = []
         for _ in range(n_tensors):
             name = cur.string()
@@ -115,4 +127,4 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], list[GGUFTensor], np.memmap]:
         else:
             data = raw.reshape(rows[:-1] + [rows[-1] // block * type_size])
         tensors.append(GGUFTensor(name, dims, qtype, start, n_bytes, data))
-    return meta, tensors, mm
+    return GGUFHeader(meta, tensors, kv_bytes, alignment, mm)

@@ -10,12 +10,10 @@ otherwise estimated from the vocabulary.
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 
-from llmopt.errors import InputError
-
 from llmopt.formats.gguf.types import tensor_nbytes
+from llmopt.model.gguf_header import read_gguf
 from llmopt.plan.arch_tensors import PlannedTensor
 
 HEADER_BYTES = 4 + 4 + 8 + 8  # magic, version, tensor count, key/value count
@@ -35,94 +33,14 @@ def _kv_entry_bytes(key: str, value_bytes: int) -> int:
 
 def measured_metadata_bytes(path: Path) -> tuple[int, int]:
     """(key/value bytes after llama-quantize's edits, alignment) of an existing GGUF file."""
-    return _walk(path, with_tensors=False)[:2]
+    header = read_gguf(path)
+    kept = sum(n for key, n in header.kv_bytes.items() if not (key.startswith(_DROPPED_PREFIX) or key in _U32_KEYS))
+    return kept + sum(_kv_entry_bytes(k, 4) for k in _U32_KEYS), header.alignment
 
 
 def tensor_directory(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """GGUF name -> (GGML type name, HF-orientation shape) of every tensor in a GGUF file."""
-    return _walk(path, with_tensors=True)[2]
-
-
-def _walk(path: Path, with_tensors: bool) -> tuple[int, int, dict[str, tuple[str, tuple[int, ...]]]]:
-    """Walk the key/value section (lengths only, values skipped: much faster than decoding a
-    100k-entry token list) and optionally the tensor directory."""
-    from gguf import GGMLQuantizationType
-
-    with path.open("rb") as f:
-        head = f.read(HEADER_BYTES)
-        if len(head) < HEADER_BYTES or head[:4] != b"GGUF":
-            raise InputError(f"{path}: not a GGUF file")
-        n_tensors, n_kv = struct.unpack_from("<QQ", head, 8)
-        reader = _Cursor(f)
-        total, alignment = 0, DEFAULT_ALIGNMENT
-        for _ in range(n_kv):
-            start = reader.pos
-            key = reader.string()
-            vtype = reader.u32()
-            if key == "general.alignment":
-                alignment = reader.value_int(vtype)
-            else:
-                reader.skip_value(vtype)
-            if not (key.startswith(_DROPPED_PREFIX) or key in _U32_KEYS):
-                total += reader.pos - start
-        tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
-        for _ in range(n_tensors if with_tensors else 0):
-            name = reader.string()
-            dims = [reader.u64() for _ in range(reader.u32())]
-            type_id = reader.u32()
-            reader.u64()  # data offset
-            tensors[name] = (GGMLQuantizationType(type_id).name, tuple(reversed(dims)))
-    total += sum(_kv_entry_bytes(k, 4) for k in _U32_KEYS)
-    return total, alignment, tensors
-
-
-# GGUF value types: 0 u8, 1 i8, 2 u16, 3 i16, 4 u32, 5 i32, 6 f32, 7 bool, 8 string, 9 array,
-# 10 u64, 11 i64, 12 f64 (gguf-py constants.GGUFValueType).
-_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_INT_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
-
-
-class _Cursor:
-    """Sequential reads over the key/value section, counting bytes."""
-
-    def __init__(self, f):  # noqa: ANN001 - a binary file
-        self.f, self.pos = f, HEADER_BYTES
-
-    def read(self, n: int) -> bytes:
-        data = self.f.read(n)
-        if len(data) != n:
-            raise InputError(f"{getattr(self.f, 'name', 'GGUF')}: truncated GGUF metadata")
-        self.pos += n
-        return data
-
-    def u32(self) -> int:
-        return struct.unpack("<I", self.read(4))[0]
-
-    def u64(self) -> int:
-        return struct.unpack("<Q", self.read(8))[0]
-
-    def string(self) -> str:
-        return self.read(self.u64()).decode(errors="replace")
-
-    def value_int(self, vtype: int) -> int:
-        if vtype not in _INT_FORMATS:
-            raise InputError("GGUF general.alignment is not an integer")
-        return struct.unpack(_INT_FORMATS[vtype], self.read(_SCALAR_BYTES[vtype]))[0]
-
-    def skip_value(self, vtype: int) -> None:
-        if vtype in _SCALAR_BYTES:
-            self.read(_SCALAR_BYTES[vtype])
-        elif vtype == 8:
-            self.read(self.u64())
-        elif vtype == 9:
-            item, count = self.u32(), self.u64()
-            if item in _SCALAR_BYTES:
-                self.read(_SCALAR_BYTES[item] * count)
-            else:
-                for _ in range(count):
-                    self.skip_value(item)
-        else:
-            raise InputError(f"GGUF metadata has an unknown value type {vtype}")
+    return {t.name: (t.tensor_type.name, tuple(reversed(t.shape))) for t in read_gguf(path).tensors}
 
 
 def estimated_metadata_bytes(vocab_size: int) -> int:

@@ -83,7 +83,8 @@ def test_fast_header_reader_agrees_with_gguf_package(smollm2_gguf):
 
     from llmopt.model.gguf_header import read_gguf
 
-    meta, tensors, _ = read_gguf(smollm2_gguf)
+    header = read_gguf(smollm2_gguf)
+    meta, tensors = header.metadata, header.tensors
     ref = gguf.GGUFReader(smollm2_gguf)
     ref_meta = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
     assert meta == ref_meta

@@ -14,6 +14,7 @@ import typer
 import llmopt
 from llmopt.cli import convert, inspect
 from llmopt.cli import eval as eval_cmd, generate
+from llmopt.cli import quantize
 from llmopt.cli import recommend
 from llmopt.cli.common import DeviceOpt, JsonOpt, Settings, VerboseOpt, err
 from rich.markup import escape
@@ -32,6 +33,7 @@ app.command("inspect")(inspect.inspect_command)
 app.command("convert")(convert.convert_command)
 app.command("generate")(generate.generate_command)
 app.command("eval")(eval_cmd.eval_command)
+app.command("quantize")(quantize.quantize_command)
 app.command("recommend")(recommend.recommend_command)
 
 

@@ -50,6 +50,7 @@ class QuantizeSpec:
     gptq: GPTQConfig | None = None
     quantize_head: bool = False
     batch_size: int = 8  # calibration samples per forward chunk
+    keep_bytes: int = 2 << 30  # keep the MLP activations between passes when they take at most this
 
     @property
     def bits(self) -> int:
@@ -183,18 +184,23 @@ def _gptq_blocks(source: ModelSource, spec: QuantizeSpec, tokens: torch.Tensor, 
         _quantize_stage(block, layer, STAGES[2], acc.value(), spec.gptq, result)
         del acc
 
-        # down: inputs are silu(gate)·up with the quantized gate/up
+        # down: inputs are silu(gate)·up with the quantized gate/up (kept for the outputs when they fit)
         acc = HessianAccumulator(arch.intermediate_size, device)
         mlp = block.mlp
+        keep = n * t * arch.intermediate_size * 4 <= spec.keep_bytes
+        act = torch.empty(n, t, arch.intermediate_size, dtype=x.dtype, device=device) if keep else None
         for s in _chunks(n, bs):
             h = block.post_attention_layernorm(x[s])
-            acc.add(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+            m = F.silu(mlp.gate_proj(h)) * mlp.up_proj(h)
+            acc.add(m)
+            if act is not None:
+                act[s] = m
         _quantize_stage(block, layer, STAGES[3], acc.value(), spec.gptq, result)
         del acc
 
         for s in _chunks(n, bs):  # the block's outputs with every weight quantized
-            x[s] += mlp(block.post_attention_layernorm(x[s]))
-        del block
+            x[s] += mlp.down_proj(act[s]) if act is not None else mlp(block.post_attention_layernorm(x[s]))
+        del block, act
         result.seconds = time.perf_counter() - start
         yield result
 

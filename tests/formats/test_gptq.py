@@ -84,13 +84,13 @@ def _calib_tokens(source, n=4, t=48) -> torch.Tensor:
     return calibration_tokens(text, source.tokenizer().encode, CalibConfig("corpus", None, n, t, 0))
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("bits, group_size", [(2, 32), (3, 32), (4, 32), (8, 32), (4, 48)])
 @pytest.mark.parametrize("act_order", [False, True])
-def test_checkpoint_reads_back_exactly(tiny_models, tmp_path, bits: int, act_order: bool) -> None:
-    """What the pipeline produced == what llmopt's GPTQ reader dequantizes from disk."""
+def test_checkpoint_reads_back_exactly(tiny_models, tmp_path, bits: int, group_size: int, act_order: bool) -> None:
+    """What the pipeline produced == what llmopt's GPTQ reader dequantizes from disk (48: a partial last group)."""
     model_dir = tiny_models("qwen2")  # q/k/v biases: they must be written too
     sym = bits != 3
-    cfg = GPTQConfig(bits, 32, sym, act_order=act_order, zero_min=0 if sym else 1)
+    cfg = GPTQConfig(bits, group_size, sym, act_order=act_order, zero_min=0 if sym else 1)
     spec = QuantizeSpec("gptq", gptq=cfg)
     produced = {}
 
@@ -110,10 +110,11 @@ def test_checkpoint_reads_back_exactly(tiny_models, tmp_path, bits: int, act_ord
         parts = q.gptq_parts("model.layers.1.mlp.down_proj")
         assert parts.codes.shape == (64, 128) and int(parts.codes.max()) < 1 << bits
         if act_order:
-            assert not torch.equal(parts.g_idx, torch.arange(128) // 32)  # groups follow activation order
+            assert not torch.equal(parts.g_idx, torch.arange(128) // group_size)  # groups follow activation order
+        assert parts.scales.shape == (-(-128 // group_size), 64)
     config = json.loads((out / "config.json").read_text())
     qc = config["quantization_config"]
-    assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["desc_act"], qc["sym"]) == ("gptq", bits, 32, act_order, sym)
+    assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["desc_act"], qc["sym"]) == ("gptq", bits, group_size, act_order, sym)
     assert qc["checkpoint_format"] == "gptq"
     assert json.loads((out / "quantize_config.json").read_text()) == qc
     assert config["llmopt"]["version"] and (out / "tokenizer.json").is_file()

@@ -1,0 +1,171 @@
+"""GPTQ/RTN quality and speed on SmolLM2-135M, llmopt next to gptqmodel in the same run.
+
+Protocol (issue 4): fp16 SmolLM2 converted by llmopt; calibrate on wikitext-2 valid.txt,
+128 × 512 tokens, seed 0; perplexity on test.txt, ctx 512, 40 non-overlapping windows, scoring
+tokens 1..511 of each window (fp16 gives 25.61).
+
+gptqmodel needs torch >= 2.14 by its metadata, so it lives in its own venv that reuses this
+project's torch (see benchmarks/gptq_interop.py for the recipe); pass --gptqmodel-python to run it.
+
+Usage:
+  python benchmarks/gptq.py                         # the default table of llmopt configs
+  python benchmarks/gptq.py --configs gptq-w4-g128-sym rtn-w4-g128-sym --gptqmodel-python /tmp/gqvenv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
+
+# name -> llmopt quantize options
+CONFIGS: dict[str, list[str]] = {
+    "rtn-w4-g128-sym": ["--method", "rtn", "--bits", "4", "--group-size", "128", "--sym"],
+    "rtn-w4-g128-asym": ["--method", "rtn", "--bits", "4", "--group-size", "128", "--asym"],
+    "rtn-w3-g128-sym": ["--method", "rtn", "--bits", "3", "--group-size", "128", "--sym"],
+    "rtn-w3-g128-asym": ["--method", "rtn", "--bits", "3", "--group-size", "128", "--asym"],
+    # gptqmodel's settings: sym, no act-order, damp 0.05
+    "gptq-w4-g128-sym": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--sym", "--damp", "0.05"],
+    "gptq-w3-g128-sym": ["--method", "gptq", "--bits", "3", "--group-size", "128", "--sym", "--damp", "0.05"],
+    "gptq-w4-g128-asym": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--asym"],
+    "gptq-w4-g128-asym-act-mse": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--asym", "--act-order", "--mse"],
+    "gptq-w4-g128-asym-act-static-mse": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--asym", "--act-order", "--static-groups", "--mse"],
+    "gptq-w3-g128-asym-act-mse": ["--method", "gptq", "--bits", "3", "--group-size", "128", "--asym", "--act-order", "--mse"],
+    "gptq-w4-g128-sym-self": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--sym", "--damp", "0.05", "--calib", "self"],
+}
+DEFAULT = ["rtn-w4-g128-sym", "rtn-w4-g128-asym", "rtn-w3-g128-sym", "gptq-w4-g128-sym", "gptq-w3-g128-sym",
+           "gptq-w4-g128-asym-act-mse"]
+
+GPTQMODEL_SNIPPET = r"""
+import sys, time, json, random
+import torch
+from gptqmodel import GPTQModel, QuantizeConfig
+src, out, bits, calib, nsamples, seqlen = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
+from tokenizers import Tokenizer
+tok = Tokenizer.from_file(f"{src}/tokenizer.json")
+ids = tok.encode(open(calib).read()).ids
+g = torch.Generator().manual_seed(0)
+starts = torch.randint(0, len(ids) - seqlen + 1, (nsamples,), generator=g).tolist()
+data = [{"input_ids": ids[s:s + seqlen], "attention_mask": [1] * seqlen} for s in starts]
+t = time.time()
+model = GPTQModel.load(src, QuantizeConfig(bits=bits, group_size=128), device="cpu")
+model.quantize(data, batch_size=1)
+model.save(out)
+print(json.dumps({"seconds": time.time() - t}))
+"""
+
+
+def perplexity(model_dir: str, ctx: int = 512, windows: int = 40) -> float:
+    """Non-overlapping windows of `ctx` tokens of test.txt; tokens 1..ctx-1 of each window are scored."""
+    try:
+        from llmopt.eval.perplexity import perplexity as project_perplexity  # the runtime issue's definition
+    except ImportError:
+        project_perplexity = None
+    if project_perplexity is not None:
+        try:
+            return float(project_perplexity(model_dir, str(DATA / "test.txt"), ctx=ctx, windows=windows))
+        except TypeError:
+            pass  # a different signature: fall back to the private helper below
+    import torch
+    import torch.nn.functional as F
+
+    from llmopt.model import open_model
+    from llmopt.model.decoder import Decoder
+
+    torch.set_grad_enabled(False)
+    with open_model(model_dir) as src:
+        tok = src.tokenizer()
+        ids = torch.tensor(tok.encode((DATA / "test.txt").read_text()), dtype=torch.int64)
+        model = Decoder.from_source(src, torch.float32)
+    nll, count = 0.0, 0
+    for w in range(windows):
+        chunk = ids[w * ctx:(w + 1) * ctx].unsqueeze(0)
+        if chunk.shape[1] < ctx:
+            break
+        logits = model(chunk)[0, :-1].float()
+        nll += float(F.cross_entropy(logits, chunk[0, 1:], reduction="sum"))
+        count += ctx - 1
+    return math.exp(nll / count)
+
+
+def run_llmopt(src: str, out: str, options: list[str], nsamples: int, seqlen: int) -> dict:
+    cmd = [sys.executable, "-m", "llmopt.cli.app", "--json", "quantize", src, "-o", out, "--force",
+           "--nsamples", str(nsamples), "--seqlen", str(seqlen), *options]
+    if "gptq" in options and "--calib" not in options:
+        cmd += ["--calib", str(DATA / "valid.txt")]
+    return _timed(cmd)
+
+
+def _timed(cmd: list[str]) -> dict:
+    start = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
+        stdout = proc.stdout.read()
+        _, status, rusage = os.wait4(proc.pid, 0)
+        if status != 0:
+            log.seek(0)
+            sys.exit(f"{' '.join(cmd[:6])} failed:\n{log.read()[-3000:]}")
+    return {"seconds": round(time.perf_counter() - start, 1), "peak_rss_mib": round(rusage.ru_maxrss / 1024), "stdout": stdout}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", nargs="*", default=DEFAULT, choices=sorted(CONFIGS))
+    ap.add_argument("--nsamples", type=int, default=128)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--work", default=str(ROOT / "build" / "bench-gptq"))
+    ap.add_argument("--fp16", action="store_true", help="Also measure the fp16 source's perplexity.")
+    ap.add_argument("--gptqmodel-python", help="A python with gptqmodel installed: run its GPTQ w4/w3 g128 too.")
+    ap.add_argument("--gptqmodel-bits", nargs="*", type=int, default=[4, 3])
+    args = ap.parse_args()
+    from llmopt.model.embedded import smollm2_gguf
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    src = work / "smollm2-f16"
+    if not (src / "config.json").is_file():
+        subprocess.run([sys.executable, "-m", "llmopt.cli.app", "convert", str(smollm2_gguf()), "--to", "hf", "-o", str(src),
+                        "--force"], check=True, cwd=ROOT)
+    rows = []
+    if args.fp16:
+        rows.append({"config": "fp16", "ppl": round(perplexity(str(src)), 2)})
+        print(json.dumps(rows[-1]), flush=True)
+    for name in args.configs:
+        out = work / name
+        r = run_llmopt(str(src), str(out), CONFIGS[name], args.nsamples, args.seqlen)
+        result = json.loads(r.pop("stdout"))
+        per_layer = [b["seconds"] for b in result["blocks"]]
+        rows.append({"config": f"llmopt {name}", "ppl": round(perplexity(str(out)), 2), "seconds": r["seconds"],
+                     "s_per_layer": round(sum(per_layer) / len(per_layer), 2), "peak_rss_mib": r["peak_rss_mib"]})
+        print(json.dumps(rows[-1]), flush=True)
+    if args.gptqmodel_python:
+        for bits in args.gptqmodel_bits:
+            out = work / f"gptqmodel-w{bits}-g128"
+            cmd = [args.gptqmodel_python, "-c", GPTQMODEL_SNIPPET, str(src), str(out), str(bits), str(DATA / "valid.txt"),
+                   str(args.nsamples), str(args.seqlen)]
+            if out.exists():
+                import shutil
+                shutil.rmtree(out)
+            r = _timed(cmd)
+            rows.append({"config": f"gptqmodel w{bits} g128 sym", "ppl": round(perplexity(str(out)), 2), "seconds": r["seconds"],
+                         "peak_rss_mib": r["peak_rss_mib"]})
+            print(json.dumps(rows[-1]), flush=True)
+    print()
+    print(f"{'config':44} {'ppl':>8} {'seconds':>9} {'s/layer':>8} {'RSS MiB':>8}")
+    for r in rows:
+        print(f"{r['config']:44} {r['ppl']:8.2f} {r.get('seconds', ''):>9} {r.get('s_per_layer', ''):>8} {r.get('peak_rss_mib', ''):>8}")
+    print(json.dumps({"benchmark": "gptq", "nsamples": args.nsamples, "seqlen": args.seqlen, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

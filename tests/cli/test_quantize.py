@@ -1,0 +1,102 @@
+"""`llmopt quantize`: end to end on a tiny model, and bad input as one-line errors with nothing left behind."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from tests.cli.test_bad_input import assert_clean_failure
+
+
+@pytest.fixture
+def llmopt_inprocess(capsys):
+    """The CLI's main() in this process (no interpreter start-up): for the many quick failure cases."""
+    from llmopt.cli.app import main
+
+    def run(*args):
+        capsys.readouterr()  # drop what fixtures printed while building models
+        code = main([str(a) for a in args])
+        cap = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=cap.out, stderr=cap.err)
+
+    return run
+
+
+@pytest.fixture
+def calib_txt(tmp_path):
+    from tests.factories import CORPUS
+
+    path = tmp_path / "calib.txt"
+    path.write_text(CORPUS)
+    return path
+
+
+def test_gptq_act_order_with_report(llmopt_cli, tiny_models, tmp_path, calib_txt) -> None:
+    out, report = tmp_path / "q", tmp_path / "layers.json"
+    r = llmopt_cli("quantize", tiny_models("llama"), "--method", "gptq", "--bits", "3", "--group-size", "32", "--act-order",
+                   "--calib", calib_txt, "--nsamples", "4", "--seqlen", "32", "--report", report, "-o", out)
+    assert r.returncode == 0, r.stderr
+    assert "SQNR" in r.stdout and "wrote" in r.stdout
+    rep = json.loads(report.read_text())
+    assert len(rep["layers"]) == 14 and {"mse", "max_abs", "cosine", "sqnr_db", "gptq_loss"} <= set(rep["layers"][0])
+    assert [b["layer"] for b in rep["blocks"]] == [0, 1]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["desc_act"] is True and cfg["quantization_config"]["bits"] == 3
+    assert cfg["llmopt"]["calibration"]["nsamples"] == 4 and len(cfg["llmopt"]["calibration"]["sha256"]) == 64
+    r = llmopt_cli("--json", "inspect", out)
+    assert r.returncode == 0 and "model.layers.0.self_attn.q_proj.weight" not in r.stdout  # summary only
+    info = json.loads(r.stdout)
+    assert info["parameters"] > 0
+
+
+def test_rtn_dense_json(llmopt_cli, tiny_models, tmp_path) -> None:
+    out = tmp_path / "d"
+    r = llmopt_cli("--json", "quantize", tiny_models("qwen2"), "--method", "rtn", "--bits", "5", "--group-size", "-1",
+                   "--asym", "--format", "dense", "-o", out)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["format"] == "dense" and len(res["layers"]) == 14
+    assert all(layer["sqnr_db"] > 20 for layer in res["layers"])
+    cfg = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in cfg and cfg["llmopt"]["method"] == "rtn"
+
+
+def test_calib_self_default(llmopt_cli, tiny_models, tmp_path) -> None:
+    out = tmp_path / "s"
+    r = llmopt_cli("--json", "quantize", tiny_models("llama"), "--group-size", "32", "--nsamples", "2", "--seqlen", "16", "-o", out)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["calibration"]["source"] == "self"
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--bits", "5"], "GPTQ checkpoints hold 2, 3, 4, 8 bits"),
+    (["--bits", "9", "--format", "dense"], "choose 2 to 8"),
+    (["--group-size", "128"], "larger than the 64 input features"),
+    (["--method", "gptq", "--group-size", "0"], "per tensor"),
+    (["--calib", "NOWHERE/x.txt"], "no such file"),
+    (["--calib", "EMPTY"], "holds no text"),
+    (["--damp", "1.5"], "--damp"),
+    (["--method", "rtn", "--act-order"], "apply to --method gptq"),
+    (["--device", "tpu"], "bad --device"),
+])
+def test_bad_input(llmopt_inprocess, tiny_models, tmp_path, args, expect) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    args = [str(empty) if a == "EMPTY" else str(tmp_path / a) if a.startswith("NOWHERE") else a for a in args]
+    if "--group-size" not in args:
+        args += ["--group-size", "32"]
+    out = tmp_path / "out"
+    r = llmopt_inprocess("quantize", tiny_models("llama"), *args, "-o", out)
+    assert_clean_failure(r, expect)
+    assert list(tmp_path.glob("*out*")) == []
+
+
+def test_existing_output_is_refused_before_work(llmopt_cli, tiny_models, tmp_path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    r = llmopt_cli("quantize", tiny_models("llama"), "--method", "rtn", "--group-size", "32", "-o", out)
+    assert_clean_failure(r, "already exists")
+    assert (out / "keep").read_text() == "x"

@@ -1,0 +1,78 @@
+"""The layer-sequential pipeline: every linear's Hessian is the one its input has in the final
+quantized model (true-sequential order), checked with transformers running our dense output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import llmopt.quant.pipeline as pipeline
+from llmopt.calibration.samples import CalibConfig, calibration_tokens
+from llmopt.calibration.text import CalibText
+from llmopt.formats.gptq import write_quantized
+from llmopt.model import open_model
+from llmopt.quant.gptq import GPTQConfig
+from llmopt.quant.pipeline import QuantizeSpec, quantize_model
+from tests.factories import CORPUS, make_tiny_hf
+
+
+def _tokens(src, n=6, t=40):
+    return calibration_tokens(CalibText([CORPUS], "corpus", "0"), src.tokenizer().encode, CalibConfig("c", None, n, t, 0))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_hessians_follow_the_quantized_model(tmp_path, monkeypatch, family) -> None:
+    import json
+
+    import transformers
+
+    seen: dict[str, torch.Tensor] = {}
+    real = pipeline.gptq_quantize
+
+    def spy(weight, hessian, cfg, name=""):
+        seen[name] = hessian.clone()
+        return real(weight, hessian, cfg, name)
+
+    monkeypatch.setattr(pipeline, "gptq_quantize", spy)
+    spec = QuantizeSpec("gptq", gptq=GPTQConfig(3, 32, True), batch_size=4)
+    # a float16 source, so the float16 embeddings and norms of the checkpoint are exactly the source's
+    source_dir = make_tiny_hf(tmp_path / "src", family, dtype=torch.float16)
+    with open_model(source_dir) as src:
+        tokens = _tokens(src)
+        out = write_quantized(src, spec, quantize_model(src, spec, tokens), tmp_path / "q")
+    assert len(seen) == 2 * 4  # four stages per block: q+k+v, o, gate+up, down
+
+    # transformers' model with the weights our GPTQ reader dequantizes (float32, exact)
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in json.loads((out / "config.json").read_text()).items()
+                                                  if k not in ("quantization_config", "llmopt")})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with open_model(out) as q:
+        model.load_state_dict({n: q.load(n, torch.float32) for n in q.tensors}, strict=False)
+    inputs: dict[str, list[torch.Tensor]] = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        for label, module in ((f"model.layers.{i}.q_proj+k_proj+v_proj", layer.self_attn.q_proj),
+                              (f"model.layers.{i}.self_attn.o_proj", layer.self_attn.o_proj),
+                              (f"model.layers.{i}.gate_proj+up_proj", layer.mlp.gate_proj),
+                              (f"model.layers.{i}.mlp.down_proj", layer.mlp.down_proj)):
+            hooks.append(module.register_forward_pre_hook(lambda m, a, label=label: inputs.setdefault(label, []).append(a[0])))
+    with torch.no_grad():
+        model(tokens)
+    for h in hooks:
+        h.remove()
+    assert set(inputs) == set(seen)
+    for label, xs in inputs.items():
+        x = torch.cat(xs).reshape(-1, xs[0].shape[-1]).double()
+        expected = 2 * x.t() @ x / x.shape[0]
+        scale = float(expected.abs().max())
+        assert torch.allclose(seen[label].double(), expected, atol=1e-4 * scale), label
+
+
+def test_rtn_needs_no_data_and_streams_blocks(tiny_models) -> None:
+    from llmopt.quant.rtn import RTNConfig
+
+    with open_model(tiny_models("mistral")) as src:
+        results = list(quantize_model(src, QuantizeSpec("rtn", rtn=RTNConfig(4, 32, False))))
+    assert [r.layer for r in results] == [0, 1]
+    assert all(len(r.tensors) == 7 and len(r.reports) == 7 for r in results)
+    assert all(r.reports[0].metrics["sqnr_db"] > 15 for r in results)

@@ -1,0 +1,300 @@
+"""Write a model as a GGUF file llama.cpp loads: plan every tensor's type, then stream them one by one.
+
+The header (metadata and tensor infos) is written first from the plan, since every tensor's size is
+known from its type; then each tensor is read from the source, permuted where llama.cpp wants it,
+quantized on its grid, packed into llama.cpp's blocks and appended. Only one tensor is in memory at
+a time, and the file appears under its name only when complete.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+import llmopt
+from llmopt.errors import InputError
+from llmopt.formats.atomic import atomic_output_file
+from llmopt.formats.gguf.blocks import pack
+from llmopt.formats.gguf.mixes import check_mix, file_type, gguf_shapes, plan_shapes
+from llmopt.formats.gguf.types import ggml_type, tensor_nbytes
+from llmopt.formats.gguf.vocab import vocab_metadata
+from llmopt.model.arch import ArchSpec
+from llmopt.model.families.base import permute_for_gguf
+from llmopt.model.source import ModelSource
+from llmopt.quant.grids import quantize
+
+QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION: the block layouts written here
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    gguf_name: str
+    hf_name: str | None  # None for tensors computed from the config (llama3 rope_freqs)
+    shape: tuple[int, ...]  # HF orientation; GGUF stores the reverse
+    type_name: str
+    source_nbytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.type_name, self.shape)
+
+
+@dataclass
+class GgufPlan:
+    mix: str
+    tensors: list[PlannedTensor]
+    header_nbytes: int = 0
+    alignment: int = gguf.GGUF_DEFAULT_ALIGNMENT
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def data_nbytes(self) -> int:
+        return sum(_pad(t.nbytes, self.alignment) for t in self.tensors)
+
+    @property
+    def file_nbytes(self) -> int:
+        """The exact size of the file `write_gguf` produces for this plan."""
+        return _pad(self.header_nbytes, self.alignment) + self.data_nbytes
+
+    def types_count(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for t in self.tensors:
+            counts[t.type_name] = counts.get(t.type_name, 0) + 1
+        return counts
+
+
+def _pad(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+@dataclass
+class Provenance:
+    """What goes into the file about how it was made (llmopt.* and llama.cpp's quantize.imatrix.* keys)."""
+
+    command: str | None = None
+    imatrix_file: str | None = None
+    imatrix_datasets: list[str] = field(default_factory=list)
+    imatrix_entries: int | None = None
+    imatrix_chunks: int | None = None
+
+
+def plan_gguf(
+    source: ModelSource,
+    mix: str,
+    *,
+    overrides: Sequence[tuple[str, str]] = (),
+    output_tensor_type: str | None = None,
+    has_imatrix: bool = False,
+    provenance: Provenance | None = None,
+) -> GgufPlan:
+    """Every tensor's GGUF name, shape and type, and the exact file size, without writing anything."""
+    mix = check_mix(mix)
+    shapes = gguf_shapes(source)
+    types = plan_shapes(shapes, mix, source.arch, overrides=overrides, has_imatrix=has_imatrix,
+                        output_tensor_type=output_tensor_type)  # fmt: skip
+    by_gguf = {source.arch.family.hf_to_gguf_name(n): n for n in source.tensors}
+    tensors = [
+        PlannedTensor(name, by_gguf[name], shapes[name], types[name], source.tensors[by_gguf[name]].nbytes)
+        for name in shapes
+    ]
+    freqs = llama3_rope_factors(source.arch)
+    if freqs is not None:
+        tensors.insert(1, PlannedTensor("rope_freqs.weight", None, tuple(freqs.shape), "F32", 0))
+    plan = GgufPlan(mix=mix, tensors=tensors, metadata=gguf_metadata(source, mix, provenance or Provenance()))
+    plan.header_nbytes = _header_nbytes(source, plan)
+    return plan
+
+
+def write_gguf(
+    source: ModelSource,
+    output: Path,
+    plan: GgufPlan,
+    *,
+    importance: Mapping[str, torch.Tensor] | None = None,
+    force: bool = True,
+    on_tensor: Callable[[PlannedTensor, float], None] | None = None,
+) -> Path:
+    """Write `plan` for `source` to `output` (atomically), quantizing with `importance` where given."""
+    output = Path(output)
+    with atomic_output_file(output, force=force) as tmp:
+        writer = _open_writer(tmp, source, plan)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for planned in plan.tensors:
+            start = time.perf_counter()
+            data = encode_tensor(source, planned, None if importance is None else importance.get(planned.gguf_name))
+            writer.write_tensor_data(data)
+            del data
+            if on_tensor is not None:
+                on_tensor(planned, time.perf_counter() - start)
+        writer.close()
+    return output.expanduser().resolve()
+
+
+def encode_tensor(source: ModelSource, planned: PlannedTensor, importance: torch.Tensor | None = None) -> np.ndarray:
+    """One tensor's bytes in its planned type: loaded, permuted for llama.cpp, quantized and packed."""
+    if planned.hf_name is None:
+        return llama3_rope_factors(source.arch).numpy()
+    arch = source.arch
+    weight = source.load(planned.hf_name, torch.float32)
+    heads = arch.family.qk_heads(planned.hf_name, arch.num_heads, arch.num_kv_heads)
+    if heads is not None:
+        weight = permute_for_gguf(weight, heads)
+    kind = planned.type_name
+    if kind == "F32":
+        return weight.contiguous().numpy()
+    if kind == "F16":
+        return weight.to(torch.float16).contiguous().numpy()
+    if kind == "BF16":
+        return weight.to(torch.bfloat16).contiguous().view(torch.uint8).numpy()
+    if importance is not None and importance.numel() != weight.shape[-1]:
+        raise InputError(f"imatrix entry for {planned.gguf_name} has {importance.numel()} values, "
+                         f"the tensor has {weight.shape[-1]} columns")  # fmt: skip
+    return pack(quantize(kind, weight.reshape(-1, weight.shape[-1]), importance))
+
+
+# ------------------------------------------------------------------------------------------ metadata
+def gguf_metadata(source: ModelSource, mix: str, provenance: Provenance) -> dict[str, Any]:
+    """Summary of what the header says (for --dry-run and reports); the writer adds the same keys."""
+    return {
+        "general.architecture": source.arch.family.gguf_arch,
+        "general.file_type": file_type(mix),
+        "general.quantization_version": QUANTIZATION_VERSION,
+        "llmopt.version": llmopt.__version__,
+        **({"llmopt.command": provenance.command} if provenance.command else {}),
+        **_imatrix_keys(provenance),
+    }
+
+
+def _imatrix_keys(p: Provenance) -> dict[str, Any]:
+    keys: dict[str, Any] = {}
+    if p.imatrix_file is not None:
+        keys["quantize.imatrix.file"] = p.imatrix_file
+    if p.imatrix_datasets:
+        keys["quantize.imatrix.dataset"] = p.imatrix_datasets[0]
+    if p.imatrix_entries is not None:
+        keys["quantize.imatrix.entries_count"] = p.imatrix_entries
+    if p.imatrix_chunks is not None:
+        keys["quantize.imatrix.chunks_count"] = p.imatrix_chunks
+    return keys
+
+
+def _open_writer(path: Path, source: ModelSource, plan: GgufPlan) -> gguf.GGUFWriter:
+    writer = gguf.GGUFWriter(path, source.arch.family.gguf_arch)
+    _add_header(writer, source.arch, plan, source)
+    for t in plan.tensors:
+        dtype = np.dtype(np.float16) if t.type_name == "F16" else np.dtype(np.float32)
+        writer.add_tensor_info(t.gguf_name, t.shape, dtype, t.nbytes, raw_dtype=ggml_type(t.type_name))
+    return writer
+
+
+def _add_header(w: gguf.GGUFWriter, arch: ArchSpec, plan: GgufPlan, source: ModelSource) -> None:
+    meta = plan.metadata
+    w.add_name(source.path.name.removesuffix(".gguf"))
+    w.add_file_type(meta["general.file_type"])
+    w.add_quantization_version(QUANTIZATION_VERSION)
+    w.add_string(gguf.Keys.General.QUANTIZED_BY, f"llmopt {llmopt.__version__}")
+    for key, value in meta.items():
+        if key.startswith("llmopt.") or key.startswith("quantize.imatrix."):
+            if isinstance(value, int):
+                w.add_uint32(key, value)
+            else:
+                w.add_string(key, str(value))
+    _add_architecture(w, arch)
+    info = source.tokenizer()
+    if info is not None:
+        _add_tokenizer(w, info, arch.vocab_size)
+
+
+def _add_architecture(w: gguf.GGUFWriter, arch: ArchSpec) -> None:
+    w.add_context_length(arch.max_position_embeddings)
+    w.add_embedding_length(arch.hidden_size)
+    w.add_block_count(arch.num_layers)
+    w.add_feed_forward_length(arch.intermediate_size)
+    w.add_head_count(arch.num_heads)
+    w.add_head_count_kv(arch.num_kv_heads)
+    w.add_rope_freq_base(arch.rope_theta)
+    w.add_layer_norm_rms_eps(arch.rms_norm_eps)
+    w.add_vocab_size(arch.vocab_size)
+    w.add_rope_dimension_count(arch.head_dim)
+    if arch.head_dim * arch.num_heads != arch.hidden_size:
+        w.add_key_length(arch.head_dim)
+        w.add_value_length(arch.head_dim)
+    scaling = arch.rope_scaling or {}
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(scaling["factor"]))
+    elif kind == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(scaling["factor"]))
+        if "original_max_position_embeddings" in scaling:
+            w.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+
+
+def _add_tokenizer(w: gguf.GGUFWriter, info: Any, vocab_size: int) -> None:
+    v = vocab_metadata(info, vocab_size)
+    w.add_tokenizer_model(v.model)
+    if v.pre is not None:
+        w.add_tokenizer_pre(v.pre)
+    w.add_token_list(v.tokens)
+    w.add_token_types(v.token_types)
+    if v.merges is not None:
+        w.add_token_merges(v.merges)
+    if v.scores is not None:
+        w.add_token_scores(v.scores)
+    w.add_add_space_prefix(v.add_space_prefix)
+    for token, add in ((info.bos_token, w.add_bos_token_id), (info.eos_token, w.add_eos_token_id),
+                       (info.unk_token, w.add_unk_token_id), (info.pad_token, w.add_pad_token_id)):  # fmt: skip
+        token_id = info.token_id(token)
+        if token_id is not None:
+            add(token_id)
+    w.add_add_bos_token(info.add_bos)
+    w.add_add_eos_token(info.add_eos)
+    if info.chat_template:
+        w.add_chat_template(info.chat_template)
+
+
+def _header_nbytes(source: ModelSource, plan: GgufPlan) -> int:
+    """Bytes of the header (metadata + tensor infos) by writing it to a scratch file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "header.gguf"
+        writer = _open_writer(path, source, plan)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        writer.close()
+        return path.stat().st_size
+
+
+def llama3_rope_factors(arch: ArchSpec) -> torch.Tensor | None:
+    """llama.cpp's `rope_freqs` for llama3-style rope scaling (convert_hf_to_gguf computes the same)."""
+    scaling = arch.rope_scaling or {}
+    if (scaling.get("rope_type") or scaling.get("type")) != "llama3":
+        return None
+    factor = float(scaling.get("factor", 8.0))
+    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+    old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+    freqs = 1.0 / (arch.rope_theta ** (torch.arange(0, arch.head_dim, 2, dtype=torch.float32) / arch.head_dim))
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    factors = []
+    for f in freqs.tolist():
+        wavelen = 2 * math.pi / f
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32)

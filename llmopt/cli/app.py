@@ -13,6 +13,7 @@ import typer
 
 import llmopt
 from llmopt.cli import convert, inspect
+from llmopt.cli import imatrix as imatrix_cmd
 from llmopt.cli import eval as eval_cmd, generate
 from llmopt.cli import quantize
 from llmopt.cli import recommend
@@ -31,6 +32,7 @@ app = typer.Typer(
 )
 app.command("inspect")(inspect.inspect_command)
 app.command("convert")(convert.convert_command)
+app.command("imatrix")(imatrix_cmd.imatrix_command)
 app.command("generate")(generate.generate_command)
 app.command("eval")(eval_cmd.eval_command)
 app.command("quantize")(quantize.quantize_command)

@@ -33,7 +33,7 @@ def _round_away(v: torch.Tensor) -> torch.Tensor:
 
 def _row_sigma2(w: torch.Tensor) -> torch.Tensor:
     """Σx²/n over each whole row, in index order: the σ² of llama.cpp's legacy imatrix weights."""
-    return seq_sum(w.t() * w.t()) / w.shape[1]
+    return seq_sum((w * w).t().contiguous()) / w.shape[1]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,175 @@
+"""GGUF files written by llmopt: llama.cpp reads them, and their bytes equal llama.cpp's own quantizer's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from llmopt.calibration.imatrix import Imatrix
+from llmopt.formats.gguf.mixes import MIXES
+from llmopt.formats.gguf.writer import plan_gguf, write_gguf
+from llmopt.model import open_model
+from tests.formats.gguf.llama_cpp_helpers import gguf_types, llama_dry_run_types, llama_quantize
+from tests.formats.gguf.models import make_wide_hf
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory):
+    """family -> (HF dir, llmopt's F16 GGUF of it)."""
+    cache: dict[str, tuple[Path, Path]] = {}
+
+    def get(family: str) -> tuple[Path, Path]:
+        if family not in cache:
+            root = tmp_path_factory.mktemp(f"wide-{family}")
+            hf = make_wide_hf(root / "hf", family, layers=2, tie=family == "qwen2")
+            cache[family] = (hf, write(hf, root / "F16.gguf", "F16"))
+        return cache[family]
+
+    return get
+
+
+def write(hf: Path, out: Path, mix: str, **kwargs) -> Path:
+    importance = kwargs.pop("importance", None)
+    with open_model(hf) as src:
+        plan = plan_gguf(src, mix, has_imatrix=importance is not None, **kwargs)
+        path = write_gguf(src, out, plan, importance=importance)
+    assert path.stat().st_size == plan.file_nbytes
+    return path
+
+
+def blocks(path: Path) -> dict[str, tuple[str, np.ndarray]]:
+    out = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        block, nbytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        data = np.asarray(t.data).view(np.uint8)
+        out[t.name] = (t.tensor_type.name, data.reshape(-1, nbytes) if block > 1 else data.reshape(-1, 1))
+    return out
+
+
+def assert_same_as_llama_cpp(ours: Path, theirs: Path) -> None:
+    a, b = blocks(ours), blocks(theirs)
+    assert {n: t for n, (t, _) in a.items()} == {n: t for n, (t, _) in b.items()}
+    for name, (_, data) in a.items():
+        same = (data == b[name][1]).all(axis=1)
+        assert same.all(), f"{name}: {100 * same.mean():.2f}% of blocks identical"
+
+
+QUANTIZED_MIXES = [m for m in MIXES if m not in ("F16", "BF16")]
+
+
+@pytest.mark.parametrize(("family", "mix"), [("llama", m) for m in QUANTIZED_MIXES]
+                         + [("qwen2", m) for m in ("Q8_0", "Q2_K", "Q3_K_M", "Q4_K_M")])
+def test_every_mix_is_byte_identical_to_llama_quantize(wide, tmp_path: Path, family: str, mix: str) -> None:
+    hf, f16 = wide(family)
+    ours = write(hf, tmp_path / "ours.gguf", mix)
+    theirs = llama_quantize(f16, tmp_path / "theirs.gguf", mix)
+    assert_same_as_llama_cpp(ours, theirs)
+
+
+@pytest.mark.parametrize("mix", ["Q4_0", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_M", "Q6_K"])
+def test_imatrix_weighted_mixes_are_byte_identical(wide, tmp_path: Path, mix: str) -> None:
+    hf, f16 = wide("llama")
+    names = [n for n in gguf_types(f16) if n.startswith("blk.") and n.endswith(".weight") and "norm" not in n]
+    g = torch.Generator().manual_seed(0)
+    with open_model(hf) as src:
+        cols = {n: src.arch.intermediate_size if "ffn_down" in n else src.arch.hidden_size for n in names}
+    importance = {n: torch.rand(c, generator=g) ** 3 * 5 for n, c in cols.items()}
+    ours = write(hf, tmp_path / "ours.gguf", mix, importance=importance)
+    theirs = llama_quantize(f16, tmp_path / "theirs.gguf", mix, imatrix={n: v.numpy() for n, v in importance.items()})
+    assert_same_as_llama_cpp(ours, theirs)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_llama_cpp_reads_our_f16_like_the_source(wide, family: str) -> None:
+    """Same tokens and the same next-token logits as our own decoder on the HF source."""
+    from llama_cpp import Llama
+
+    from llmopt.model.decoder import Decoder
+
+    hf, f16 = wide(family)
+    text = "The quick brown fox jumps over the lazy dog."
+    with open_model(hf) as src:
+        ids = src.tokenizer().encode(text)
+        ref = Decoder.from_source(src)(torch.tensor([ids]))[0].detach()
+    llm = Llama(model_path=str(f16), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+    assert llm.tokenize(text.encode(), add_bos=False, special=False) == ids
+    llm.eval(ids)
+    logits = torch.tensor(np.asarray(llm.scores[: len(ids)]))
+    assert torch.allclose(logits, ref, atol=2e-2, rtol=0), (logits - ref).abs().max()
+
+
+def test_f16_round_trips_through_our_reader(wide) -> None:
+    hf, f16 = wide("llama")
+    with open_model(hf) as a, open_model(f16) as b:
+        assert set(a.tensors) == set(b.tensors)
+        for name in a.tensors:
+            assert torch.equal(a.load(name, torch.float32), b.load(name, torch.float32)), name
+
+
+def test_tensor_type_overrides_and_output_type_match_llama_cpp(wide, tmp_path: Path) -> None:
+    hf, f16 = wide("llama")
+    overrides = [(r"blk\.[01]\.ffn_down", "Q8_0"), ("attn_q", "Q3_K")]
+    ours = write(hf, tmp_path / "ours.gguf", "Q4_K_M", overrides=overrides, output_tensor_type="Q5_K")
+    theirs = llama_quantize(f16, tmp_path / "theirs.gguf", "Q4_K_M", overrides=overrides, output_tensor_type="Q5_K")
+    assert_same_as_llama_cpp(ours, theirs)
+
+
+def test_plan_types_equal_llama_cpp_dry_run_for_every_mix(wide) -> None:
+    hf, f16 = wide("qwen2")
+    with open_model(hf) as src:
+        for mix in MIXES:
+            if mix in ("F16", "BF16"):
+                continue
+            ours = {t.gguf_name: t.type_name for t in plan_gguf(src, mix).tensors}
+            assert ours == llama_dry_run_types(f16, mix), mix
+
+
+def test_metadata_and_provenance(wide, tmp_path: Path) -> None:
+    from llmopt.formats.gguf.writer import Provenance
+
+    hf, _ = wide("qwen2")
+    prov = Provenance(command="llmopt convert x --to gguf", imatrix_file="im.gguf", imatrix_datasets=["wiki.txt"],
+                      imatrix_entries=7, imatrix_chunks=3)
+    out = write(hf, tmp_path / "q.gguf", "Q4_K_M", provenance=prov)
+    fields = gguf.GGUFReader(str(out)).fields
+    value = {k: f.contents() for k, f in fields.items() if k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                                                                       "tokenizer.ggml.token_type")}
+    assert value["general.architecture"] == "qwen2" and value["general.file_type"] == 15
+    assert value["general.quantization_version"] == 2
+    assert value["quantize.imatrix.file"] == "im.gguf" and value["quantize.imatrix.chunks_count"] == 3
+    assert value["quantize.imatrix.entries_count"] == 7 and value["quantize.imatrix.dataset"] == "wiki.txt"
+    assert value["llmopt.command"] == "llmopt convert x --to gguf"
+    assert value["tokenizer.ggml.model"] == "gpt2" and value["tokenizer.ggml.pre"] == "gpt-2"
+
+
+def test_failure_leaves_no_partial_file(wide, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import llmopt.formats.gguf.writer as writer
+
+    hf, _ = wide("llama")
+    calls = {"n": 0}
+    real = writer.encode_tensor
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise RuntimeError("disk on fire")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writer, "encode_tensor", failing)
+    target = tmp_path / "out.gguf"
+    with pytest.raises(RuntimeError):
+        write(hf, target, "Q4_K_M")
+    assert not target.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_imatrix_object_feeds_the_writer(wide, tmp_path: Path) -> None:
+    hf, f16 = wide("llama")
+    im = Imatrix(sums={"blk.0.ffn_down.weight": torch.arange(512, dtype=torch.float64)}, counts={"blk.0.ffn_down.weight": 4})
+    ours = write(hf, tmp_path / "ours.gguf", "Q4_K_M", importance=im.importance())
+    theirs = llama_quantize(f16, tmp_path / "theirs.gguf", "Q4_K_M",
+                            imatrix={n: v.numpy() for n, v in im.importance().items()})
+    assert_same_as_llama_cpp(ours, theirs)

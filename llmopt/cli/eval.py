@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from llmopt.cli.common import DeviceOpt, JsonOpt, VerboseOpt, emit_json, err, out, settings
-from llmopt.cli.generate import DTypeOpt, ThreadsOpt
+from llmopt.cli.generate import DTypeOpt, PackedOpt, ThreadsOpt
 from llmopt.errors import CheckFailed, InputError
 from llmopt.eval.gates import check_gates
 from llmopt.eval.perplexity import evaluate, token_windows
@@ -27,6 +27,7 @@ def eval_command(
     max_ppl_increase: Annotated[Optional[float], typer.Option("--max-ppl-increase", help="Gate: fail if perplexity rises more than PCT % over --ref.")] = None,
     min_top1: Annotated[Optional[float], typer.Option("--min-top1", help="Gate: fail if top-1 agreement with --ref is below PCT %.")] = None,
     threads: ThreadsOpt = 0,
+    packed: PackedOpt = False,
     dtype: DTypeOpt = "auto",
     json_out: JsonOpt = False,
     device: DeviceOpt = None,
@@ -42,14 +43,14 @@ def eval_command(
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"{data}: cannot read ({e.__class__.__name__})") from None
 
-    target = load_model(model, dtype, opts.device)
+    target = load_model(model, dtype, opts.device, packed)
     if target.tokenizer is None:
         raise InputError(f"{model}: has no tokenizer, so it cannot read text")
     ids = target.tokenizer.encode(text)
     chunks = token_windows(ids, ctx_len, windows)
     reference = None
     if ref is not None:
-        reference = load_model(ref, dtype, opts.device)
+        reference = load_model(ref, dtype, opts.device, packed)
         if reference.model.arch.vocab_size != target.model.arch.vocab_size or (
                 reference.tokenizer is not None and reference.tokenizer.encode(text[:20000]) != ids[:len(reference.tokenizer.encode(text[:20000]))]):
             raise InputError(f"--ref {ref}: its tokenizer differs from the model's; KL and top-1 need the same vocabulary")

@@ -20,6 +20,8 @@ from llmopt.runtime.weights import load_model, set_threads
 # Options shared with `llmopt eval`.
 DTypeOpt = Annotated[str, typer.Option("--dtype", help="auto | float32 | float16 | bfloat16 (auto: float32 on CPU, bfloat16 on CUDA).")]
 ThreadsOpt = Annotated[int, typer.Option("--threads", help="CPU threads for torch (0 = torch's default).")]
+PackedOpt = Annotated[bool, typer.Option("--packed-int4/--dequantize", help="GPTQ 4-bit on CPU: keep weights packed "
+                                         "(int4 kernel, bfloat16 activations, faster) or dequantize them (exact).")]
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
@@ -55,6 +57,7 @@ def generate_command(
     num_draft: Annotated[int, typer.Option("--num-draft", "-k", help="Tokens drafted per verification step.")] = 4,
     prompt_lookup: Annotated[int, typer.Option("--prompt-lookup", help="Speculate by matching the last N-gram in the text so far (0 = off).")] = 0,
     threads: ThreadsOpt = 0,
+    packed: PackedOpt = True,
     dtype: DTypeOpt = "auto",
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Prompt tokens per prefill forward pass.")] = 512,
     json_out: JsonOpt = False,
@@ -74,7 +77,7 @@ def generate_command(
     sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty)
     sampling.check()
 
-    target = load_model(model, dtype, opts.device)
+    target = load_model(model, dtype, opts.device, packed)
     tok = target.tokenizer
     if tok is None:
         raise InputError(f"{model}: has no tokenizer, so it cannot take a text prompt")
@@ -84,7 +87,7 @@ def generate_command(
         ids = tok.encode(text)
     drafter = None
     if draft:
-        d = load_model(draft, dtype, opts.device)
+        d = load_model(draft, dtype, opts.device, packed)
         if d.model.arch.vocab_size != target.model.arch.vocab_size or (d.tokenizer and d.tokenizer.encode(text) != tok.encode(text)):
             raise InputError(f"--draft {draft}: its tokenizer differs from the model's; a draft must share the vocabulary")
         drafter = DraftModel(d.model, len(ids) + max_tokens + num_draft + 1, d.dtype, d.device)

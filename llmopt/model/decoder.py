@@ -32,8 +32,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        # one fused kernel; in float32 like the reference implementations, whatever the model dtype
+        h = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
         return self.weight * h.to(x.dtype)
 
 
@@ -166,8 +166,16 @@ class Rotary(nn.Module):
     def __init__(self, arch: ArchSpec):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
+        self.table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin for positions 0..n-1
 
     def forward(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        end = start + length
+        if self.table is None or self.table[0].shape[0] < end or self.table[0].dtype != dtype:
+            size = max(end, 2 * (self.table[0].shape[0] if self.table is not None else 256))
+            self.table = self.compute(0, size, dtype)  # grown rarely: decode steps just slice it
+        return self.table[0][start:end], self.table[1][start:end]
+
+    def compute(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(start, start + length, device=self.inv_freq.device, dtype=torch.float32)
         freqs = torch.outer(pos, self.inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)

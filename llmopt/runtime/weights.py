@@ -13,7 +13,9 @@ import torch
 from llmopt.device import resolve_device
 from llmopt.errors import InputError
 from llmopt.model import ModelSource, TokenizerInfo, open_model
-from llmopt.model.decoder import Decoder
+from llmopt.model.decoder import Decoder, Rotary, hf_to_param_name
+from llmopt.model.gptq_dir import GPTQDirSource, GPTQParts
+from llmopt.runtime.int4 import PackedInt4Linear, packable
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -37,21 +39,53 @@ class LoadedModel:
     device: torch.device
 
 
-def load_model(spec: str, dtype: str = "auto", device: str = "auto") -> LoadedModel:
-    """Open `spec` and build the runtime model on `device` in `dtype`."""
+def load_model(spec: str, dtype: str = "auto", device: str = "auto", packed: bool = True) -> LoadedModel:
+    """Open `spec` and build the runtime model on `device` in `dtype` (`packed`: see build_decoder)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     with open_model(spec) as source:
-        model = build_decoder(source, dt, dev)
+        model = build_decoder(source, dt, dev, packed)
         tok = source.tokenizer()
         return LoadedModel(model, tok, source.kind, str(source.path), dt, dev)
 
 
-def build_decoder(source: ModelSource, dtype: torch.dtype, device: torch.device) -> Decoder:
+def build_decoder(source: ModelSource, dtype: torch.dtype, device: torch.device, packed: bool = True) -> Decoder:
+    """Float and GGUF sources: dequantized into the dtype. GPTQ: 4-bit layers stay packed where the
+    int4 kernel applies (`packed`), the rest is dequantized layer by layer."""
+    if isinstance(source, GPTQDirSource):
+        return _gptq_decoder(source, dtype, device, packed)
     qc = source.quantization_config
     if qc:
-        raise InputError(f"{source.path}: {qc.get('quant_method', 'quantized')} checkpoints are not supported by the runtime yet")
+        raise InputError(f"{source.path}: {qc.get('quant_method', 'quantized')} checkpoints are not supported by the runtime")
     return Decoder.from_source(source, dtype, device)
+
+
+def _gptq_decoder(source: GPTQDirSource, dtype: torch.dtype, device: torch.device, packed: bool) -> Decoder:
+    arch = source.arch
+    with torch.device("meta"):
+        model = Decoder(arch)
+    kept: dict[str, GPTQParts] = {}
+    state = {}
+    for name in source.tensors:
+        module = name.removesuffix(".weight")
+        if packed and name.endswith(".weight") and module in source.modules:
+            parts = source.gptq_parts(module)
+            if packable(parts, device):
+                kept[hf_to_param_name(module)] = parts
+                continue
+        state[hf_to_param_name(name)] = source.load(name, dtype=torch.float32).to(device=device, dtype=dtype)
+    if "lm_head.weight" not in state and "lm_head" not in kept:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    model.load_state_dict(state, strict=False, assign=True)
+    for path, parts in kept.items():
+        parent, _, child = path.rpartition(".")
+        old = model.get_submodule(path)
+        setattr(model.get_submodule(parent) if parent else model, child, PackedInt4Linear(parts, old.bias, dtype))
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise InputError(f"{source.path}: missing tensors {left[:3]}{' ...' if len(left) > 3 else ''}")
+    model.rotary = Rotary(arch).to(device)
+    return model.eval()
 
 
 def set_threads(threads: int) -> None:

@@ -57,7 +57,7 @@ def test_missing_data_file(llmopt_here, tiny_models, tmp_path):
 @pytest.mark.slow
 def test_smollm2_wikitext_perplexity(llmopt_cli, smollm2_hf):
     """The project's perplexity definition on the fp16 model: transformers gives 25.61."""
-    r = llmopt_cli("eval", smollm2_hf, "--data", WIKITEXT_TEST, "--ctx", "512", "--windows", "40", "--json")
+    r = llmopt_cli("eval", smollm2_hf, "--data", WIKITEXT_TEST, "--ctx", "512", "--windows", "40", "--threads", "1", "--json")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     print(f"SmolLM2 fp16 wikitext-2 test perplexity (ctx 512, 40 windows): {data['perplexity']:.4f}")

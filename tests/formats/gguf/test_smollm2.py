@@ -1,0 +1,91 @@
+"""The real model: SmolLM2-135M (fp16 HF directory) written as GGUF, checked by llama.cpp."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from llmopt.formats.gguf.writer import plan_gguf, write_gguf
+from llmopt.model import open_model
+from llmopt.quant.grids import quantize
+from tests.formats.gguf.llama_cpp_helpers import llama_dry_run_types, llama_quantize
+from tests.formats.gguf.test_writer import assert_same_as_llama_cpp
+
+pytestmark = pytest.mark.slow
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_hf: Path, tmp_path_factory: pytest.TempPathFactory):
+    """mix -> llmopt's GGUF of SmolLM2 (written once per module)."""
+    root = tmp_path_factory.mktemp("smol-gguf")
+    cache: dict[str, Path] = {}
+
+    def get(mix: str) -> Path:
+        if mix not in cache:
+            with open_model(smollm2_hf) as src:
+                cache[mix] = write_gguf(src, root / f"{mix}.gguf", plan_gguf(src, mix))
+        return cache[mix]
+
+    return get
+
+
+def answer(path: Path) -> str:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=128, verbose=False, n_threads=2)
+    out = llm.create_chat_completion(messages=QUESTION, max_tokens=12, temperature=0)
+    return out["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("mix", ["F16", "BF16", "Q8_0", "Q4_0", "Q2_K", "Q4_K_M"])
+def test_llama_cpp_loads_and_generates(smol, mix: str) -> None:
+    text = answer(smol(mix))
+    assert len(text.split()) >= 3
+    if mix in ("F16", "BF16", "Q8_0"):
+        assert "Paris" in text
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q2_K", "Q8_0"])
+def test_same_bytes_as_llama_quantize_from_our_f16(smol, tmp_path: Path, mix: str) -> None:
+    theirs = llama_quantize(smol("F16"), tmp_path / f"{mix}.gguf", mix, nthread=2)
+    assert_same_as_llama_cpp(smol(mix), theirs)
+
+
+def test_type_map_equals_llama_cpp_for_every_mix(smollm2_hf: Path, smol) -> None:
+    from llmopt.formats.gguf.mixes import MIXES
+
+    with open_model(smollm2_hf) as src:
+        for mix in MIXES:
+            if mix in ("F16", "BF16"):
+                continue
+            ours = {t.gguf_name: t.type_name for t in plan_gguf(src, mix).tensors}
+            assert ours == llama_dry_run_types(smol("F16"), mix), mix
+
+
+def test_legacy_bytes_and_dequantization_equal_the_gguf_package(smollm2_hf: Path, smol) -> None:
+    """Q8_0 tensors equal gguf.quants.quantize of the permuted weights; every Q4_K_M tensor's
+    gguf.quants.dequantize equals our QuantizedTensor.dequantize()."""
+    from llmopt.model.families.base import permute_for_gguf
+
+    q8 = {t.name: t for t in gguf.GGUFReader(str(smol("Q8_0"))).tensors}
+    q4km = {t.name: t for t in gguf.GGUFReader(str(smol("Q4_K_M"))).tensors}
+    with open_model(smollm2_hf) as src:
+        arch = src.arch
+        for hf_name in src.tensors:
+            name = arch.family.hf_to_gguf_name(hf_name)
+            if name not in q8 or q8[name].tensor_type.name != "Q8_0" or not name.startswith("blk.3."):
+                continue
+            w = src.load(hf_name, torch.float32)
+            heads = arch.family.qk_heads(hf_name, arch.num_heads, arch.num_kv_heads)
+            w = permute_for_gguf(w, heads) if heads else w
+            assert np.array_equal(np.asarray(q8[name].data), gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0))
+            t = q4km[name]
+            if t.tensor_type.name in ("F32", "F16"):
+                continue
+            ours = quantize(t.tensor_type.name, w).dequantize().numpy()
+            assert np.array_equal(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(ours.shape), ours)

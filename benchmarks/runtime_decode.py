@@ -3,12 +3,12 @@
 Same weights (SmolLM2-135M converted to an HF dir), same dtype, same thread count, batch 1, greedy,
 128 new tokens (EOS ignored). Each engine runs `--repeats` times, alternating, and the best run
 counts (the least disturbed by other work on the machine). Also: prompt-lookup speculation on a
-prompt that asks to repeat a paragraph (same text required), and, with `--llama-cpp`, llama.cpp on
+prompt that asks to repeat a paragraph and one that asks to edit it (same text required), and, with `--llama-cpp`, llama.cpp on
 the original GGUF for context (its Q4_1 weights, so a different workload). With `--device cuda` it
 adds batch-1 decode of a Llama-3-8B-shaped model with random bf16 weights as a fraction of the
 memory-bandwidth roofline. Prints a table and one JSON line.
 
-Usage: python benchmarks/runtime_decode.py [--threads N] [--repeats 3] [--device cpu|cuda] [--llama-cpp]
+Usage: python benchmarks/runtime_decode.py [--threads N] [--repeats 3] [--device cpu|cuda] [--llama-cpp] [--gptq DIR]
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ from pathlib import Path
 import torch
 
 PROMPT = "Write a short story about a robot who learns to paint."
-EDIT_PROMPT = (
-    "Repeat the following paragraph exactly, fixing only the spelling mistakes.\n\n"
-    "The committe met on Tuesday to discus the budget for the next fiscal year. After a long debate, the "
-    "members agreed to increase funding for public libraries, to hire two more librarians, and to reduce "
-    "spending on road repairs untill the spring. The chair thanked everyone for their patience and closed "
-    "the meeting at nine o'clock.\n\nCorrected paragraph:\n"
-)
+PARAGRAPH = ("The committee met on Tuesday to discuss the budget for the next fiscal year. After a long debate, the "
+             "members agreed to increase funding for public libraries, to hire two more librarians, and to reduce "
+             "spending on road repairs until the spring. The chair thanked everyone for their patience and closed "
+             "the meeting at nine o'clock.")
+LOOKUP_PROMPTS = {
+    "repeat": f"Repeat the following paragraph exactly.\n\n{PARAGRAPH}\n\nRepeated paragraph:\n",
+    "edit": f"Rewrite the following paragraph in the past perfect tense.\n\n{PARAGRAPH}\n\nRewritten paragraph:\n",
+}
 
 
 class FirstTokenTimer:
@@ -124,6 +125,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--llama-cpp", action="store_true")
+    ap.add_argument("--gptq", help="a 4-bit GPTQ dir of SmolLM2 (llmopt quantize): decode packed vs dequantized")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -153,18 +155,28 @@ def main() -> None:
             "same_tokens": a["tokens"] == b["tokens"],
         }
 
-        edit_ids = tok.encode(EDIT_PROMPT)
         lookup = Generator(ours.model, tok, PromptLookup(3), num_draft=8)
-        plain_runs, lookup_runs = [], []
-        for _ in range(args.repeats):
-            plain_runs.append(bench_llmopt(gen, edit_ids, args.new_tokens))
-            lookup_runs.append(bench_llmopt(lookup, edit_ids, args.new_tokens))
-        p, q = best(plain_runs), best(lookup_runs)
-        results["prompt_lookup"] = {
-            "plain_tokens_per_s": round(p["tokens_per_s"], 2), "lookup_tokens_per_s": round(q["tokens_per_s"], 2),
-            "speedup": round(q["tokens_per_s"] / p["tokens_per_s"], 2), "acceptance_rate": round(q["acceptance_rate"], 3),
-            "same_text": p["text"] == q["text"],
-        }
+        results["prompt_lookup"] = {}
+        for name, prompt in LOOKUP_PROMPTS.items():
+            prompt_ids = tok.encode(prompt)
+            plain_runs, lookup_runs = [], []
+            for _ in range(args.repeats):
+                plain_runs.append(bench_llmopt(gen, prompt_ids, args.new_tokens))
+                lookup_runs.append(bench_llmopt(lookup, prompt_ids, args.new_tokens))
+            p, q = best(plain_runs), best(lookup_runs)
+            results["prompt_lookup"][name] = {
+                "plain_tokens_per_s": round(p["tokens_per_s"], 2), "lookup_tokens_per_s": round(q["tokens_per_s"], 2),
+                "speedup": round(q["tokens_per_s"] / p["tokens_per_s"], 2), "acceptance_rate": round(q["acceptance_rate"], 3),
+                "same_text": p["text"] == q["text"],
+            }
+
+        if args.gptq:  # a 4-bit GPTQ checkpoint of the same model: packed int4 kernel vs dequantized
+            for mode, packed in (("packed_int4", True), ("dequantized", False)):
+                g = load_model(args.gptq, args.dtype, args.device, packed=packed)
+                gq = Generator(g.model, g.tokenizer)
+                bench_llmopt(gq, ids, 8)
+                results.setdefault("gptq", {})[mode] = {"tokens_per_s": round(
+                    best([bench_llmopt(gq, ids, args.new_tokens) for _ in range(args.repeats)])["tokens_per_s"], 2)}
 
     if args.llama_cpp:
         from llama_cpp import Llama
@@ -195,9 +207,11 @@ def main() -> None:
     if "llama_cpp_q4_1" in results:
         print(f"{'llama.cpp (Q4_1 GGUF)':<28}{'':>10}{results['llama_cpp_q4_1']['tokens_per_s']:>14.2f}")
     print(f"llmopt / transformers: {d['speedup']}x (same tokens: {d['same_tokens']})")
-    pl = results["prompt_lookup"]
-    print(f"prompt lookup on a repeat-the-paragraph prompt: {pl['lookup_tokens_per_s']} vs {pl['plain_tokens_per_s']} tok/s "
-          f"= {pl['speedup']}x, acceptance {pl['acceptance_rate']}, same text: {pl['same_text']}")
+    for name, pl in results["prompt_lookup"].items():
+        print(f"prompt lookup ({name} a paragraph): {pl['lookup_tokens_per_s']} vs {pl['plain_tokens_per_s']} tok/s "
+              f"= {pl['speedup']}x, acceptance {pl['acceptance_rate']}, same text: {pl['same_text']}")
+    for mode, r in results.get("gptq", {}).items():
+        print(f"GPTQ 4-bit, {mode}: {r['tokens_per_s']} tok/s")
     if "llama3_8b_shape_bf16" in results:
         r = results["llama3_8b_shape_bf16"]
         print(f"Llama-3-8B shape bf16: {r['tokens_per_s']:.1f} tok/s, {r['achieved_gb_s']:.0f} GB/s of {r['peak_gb_s']} GB/s")

@@ -56,7 +56,7 @@ def eval_command(
             raise InputError(f"--ref {ref}: its tokenizer differs from the model's; KL and top-1 need the same vocabulary")
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  console=err, transient=True, disable=opts.verbose < 0) as progress:
+                  console=err, transient=True) as progress:
         task = progress.add_task(f"eval {Path(model).name}", total=chunks.shape[0])
         result = evaluate(target.model, chunks, reference.model if reference else None,
                           on_window=lambda i: progress.update(task, completed=i + 1))

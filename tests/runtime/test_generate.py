@@ -102,3 +102,20 @@ def test_empty_prompt_is_an_input_error(tiny):
     model, tok = tiny
     with pytest.raises(InputError, match="empty"):
         Generator(model, tok).generate([], 5)
+
+
+def test_sliding_window_decode_equals_full_recompute(tiny_models, tmp_path):
+    """Mistral-style sliding window: cached decode masks the same keys as a full forward."""
+    import json
+    import shutil
+
+    path = tmp_path / "windowed"
+    shutil.copytree(tiny_models("mistral"), path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["sliding_window"] = 5
+    (path / "config.json").write_text(json.dumps(cfg))
+    with open_model(path) as src:
+        model, tok = Decoder.from_source(src), src.tokenizer()
+    assert model.arch.sliding_window == 5
+    ids = tok.encode("Sphinx of black quartz, judge my vow.")
+    assert Generator(model, tok, prefill_chunk=3).generate(ids, 12, ignore_eos=True).token_ids == greedy_without_cache(model, ids, 12)

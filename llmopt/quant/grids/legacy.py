@@ -28,7 +28,7 @@ def _round_away(v: torch.Tensor) -> torch.Tensor:
     """C's roundf (half away from zero), computed exactly as gguf's np_roundf does."""
     a = v.abs()
     floored = torch.floor(a)
-    return torch.sign(v) * (floored + torch.floor(2 * (a - floored)))
+    return floored.add_(torch.floor(a.sub_(floored).mul_(2))).copysign_(v)
 
 
 def _row_sigma2(w: torch.Tensor) -> torch.Tensor:
@@ -47,12 +47,13 @@ class SymmetricGrid(BlockGrid):
     def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         rows = w.shape[0]
         half = 1 << (self.bits - 1)
-        x = blocks_major(w, QK)
-        if importance is None:
-            d = first_absmax(x) / -half
-            q = torch.trunc(x * _inverse(d) + (half + 0.5)).clamp_(0, 2 * half - 1)
-            d16 = d.to(torch.float16)
+        if importance is None:  # row-major [blocks, 32]: no transposes on this simple path
+            x = w.reshape(-1, QK)
+            d = first_absmax(x.t()) / -half
+            q = torch.trunc(x * _inverse(d)[:, None] + (half + 0.5)).clamp_(0, 2 * half - 1)
+            return {"codes": q.reshape(rows, -1).to(torch.uint8), "d": d.to(torch.float16).reshape(rows, -1)}
         else:
+            x = blocks_major(w, QK)
             sigma2 = _row_sigma2(w).repeat_interleave(w.shape[1] // QK)
             weights = importance_major(importance, rows, QK) * c_sqrt(sigma2 + x * x)
             d, q = make_qx_quants(x, half, weights)
@@ -76,19 +77,20 @@ class AffineGrid(BlockGrid):
     def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         rows = w.shape[0]
         levels = (1 << self.bits) - 1
-        x = blocks_major(w, QK)
-        if importance is None:
-            mx, mn = c_max(x), c_min(x)
+        if importance is None:  # row-major [blocks, 32]
+            x = w.reshape(-1, QK)
+            mx, mn = c_max(x.t()), c_min(x.t())
             d = (mx - mn) / levels
-            q = torch.trunc((x - mn) * _inverse(d) + 0.5).clamp_(0, levels)
+            q = torch.trunc((x - mn[:, None]) * _inverse(d)[:, None] + 0.5).clamp_(0, levels).reshape(rows, -1)
             m = mn
         else:
+            x = blocks_major(w, QK)
             sigma2 = _row_sigma2(w).repeat_interleave(w.shape[1] // QK)
             weights = importance_major(importance, rows, QK) * c_sqrt(sigma2 + x * x)
             d, the_min, q = make_qkx_quants(x, weights, levels, -0.9, 0.05, 36, use_mad=False)
-            m = -the_min
+            m, q = -the_min, to_rows(q, rows)
         return {
-            "codes": to_rows(q, rows).to(torch.uint8),
+            "codes": q.to(torch.uint8),
             "d": d.to(torch.float16).reshape(rows, -1),
             "m": m.to(torch.float16).reshape(rows, -1),
         }
@@ -110,10 +112,10 @@ class Q8Grid(BlockGrid):
 
     def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         rows = w.shape[0]
-        x = blocks_major(w, QK)
-        d = x.abs().amax(dim=0) / 127
-        q = _round_away(x * _inverse(d))
-        return {"codes": (to_rows(q, rows) + 128).to(torch.uint8), "d": d.to(torch.float16).reshape(rows, -1)}
+        x = w.reshape(-1, QK)
+        d = x.abs().amax(dim=1) / 127
+        q = _round_away(x * _inverse(d)[:, None]).add_(128)
+        return {"codes": q.reshape(rows, -1).to(torch.uint8), "d": d.to(torch.float16).reshape(rows, -1)}
 
     def assemble(self, out: dict[str, torch.Tensor]) -> QuantizedTensor:
         return QuantizedTensor(codes=out["codes"], scales=out["d"].to(torch.float32), bits=8, group_size=QK,

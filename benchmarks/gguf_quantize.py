@@ -1,0 +1,223 @@
+"""llmopt's GGUF writer vs llama.cpp's llama_model_quantize on SmolLM2-135M, same machine, same threads.
+
+For each type: wall time and peak RSS of `llmopt` (fp16 HF dir -> GGUF) and of llama.cpp (llmopt's F16
+GGUF -> GGUF, what llama-quantize does), output size, and the share of blocks that are byte-identical
+between the two files, per GGML type. Each job runs in its own process so peak RSS is its own.
+Optional: perplexity on wikitext-2 test computed by llama.cpp on both files, and a Llama-2-7B-shaped
+random fp16 model (about 13.5 GB on disk) to check that peak memory follows the largest tensor.
+
+    python benchmarks/gguf_quantize.py                      # Q8_0, Q6_K, Q4_K_M
+    python benchmarks/gguf_quantize.py --types all --perplexity 40 --imatrix-chunks 40
+    python benchmarks/gguf_quantize.py --llama7b /big/disk  # needs ~30 GB free
+Prints a table, then JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+# ------------------------------------------------------------------------------------------ jobs
+def job_llmopt(src: str, out: str, mix: str, imatrix: str | None) -> dict:
+    from llmopt.calibration.imatrix import read_imatrix
+    from llmopt.formats.gguf.writer import plan_gguf, write_gguf
+    from llmopt.model import open_model
+
+    imat = read_imatrix(Path(imatrix)) if imatrix else None
+    start = time.perf_counter()
+    with open_model(src) as source:
+        plan = plan_gguf(source, mix, has_imatrix=imat is not None)
+        write_gguf(source, Path(out), plan, importance=None if imat is None else imat.importance())
+    return {"seconds": time.perf_counter() - start}
+
+
+def job_llama(src: str, out: str, mix: str, imatrix: str | None, threads: int) -> dict:
+    from llmopt.calibration.imatrix import read_imatrix
+    from tests.formats.gguf.llama_cpp_helpers import llama_quantize
+
+    imat = None if not imatrix else {k: v.numpy() for k, v in read_imatrix(Path(imatrix)).importance().items()}
+    start = time.perf_counter()
+    llama_quantize(Path(src), Path(out), mix, nthread=threads, imatrix=imat)
+    return {"seconds": time.perf_counter() - start}
+
+
+def job_perplexity(model: str, text: str, chunks: int, threads: int) -> dict:
+    """llama.cpp's perplexity recipe: ctx 512 chunks, scored on the second half of each chunk."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=model, n_ctx=512, n_batch=512, logits_all=True, verbose=False, n_threads=threads)
+    tokens = llm.tokenize(Path(text).read_text().encode(), add_bos=False)
+    nll, count = 0.0, 0
+    for c in range(min(chunks, len(tokens) // 512)):
+        ids = tokens[c * 512 : (c + 1) * 512]
+        llm.reset()
+        llm.eval(ids)
+        logits = np.asarray(llm.scores[:512], dtype=np.float64)
+        logits -= logits.max(axis=1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        for i in range(256, 511):
+            nll -= logp[i, ids[i + 1]]
+            count += 1
+    return {"perplexity": float(np.exp(nll / count)), "tokens": count}
+
+
+def run_job(*args: str) -> dict:
+    """Run one job in a fresh process; returns its result plus its peak RSS."""
+    proc = subprocess.run([sys.executable, __file__, "--job", *args], capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# -------------------------------------------------------------------------------------- compare
+def identical_blocks(a: Path, b: Path) -> dict[str, list[int]]:
+    """Per GGML type: [identical blocks, blocks] between two GGUF files of the same tensors."""
+    import gguf
+    import numpy as np
+
+    ta = {t.name: t for t in gguf.GGUFReader(str(a)).tensors}
+    out: dict[str, list[int]] = {}
+    for t in gguf.GGUFReader(str(b)).tensors:
+        mine = ta[t.name]
+        kind = t.tensor_type.name
+        if mine.tensor_type != t.tensor_type:
+            out.setdefault(f"type mismatch {kind}", [0, 0])[1] += 1
+            continue
+        block, nbytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        x = np.asarray(mine.data).view(np.uint8).reshape(-1, nbytes if block > 1 else 1)
+        y = np.asarray(t.data).view(np.uint8).reshape(-1, nbytes if block > 1 else 1)
+        same = (x == y).all(axis=1)
+        acc = out.setdefault(kind, [0, 0])
+        acc[0] += int(same.sum())
+        acc[1] += int(same.size)
+    return out
+
+
+def smollm2_hf(work: Path) -> Path:
+    from llmopt.formats.hf import write_hf_dir
+    from llmopt.model import open_model
+    from llmopt.model.embedded import smollm2_gguf
+
+    out = work / "smollm2-f16"
+    with open_model(smollm2_gguf()) as src:
+        write_hf_dir(src, out, dtype="float16")
+    return out
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--job":
+        kind, *rest = sys.argv[2:]
+        fn = {"llmopt": job_llmopt, "llama": job_llama, "ppl": job_perplexity}[kind]
+        if kind == "llmopt":
+            result = fn(rest[0], rest[1], rest[2], rest[3] or None)
+        elif kind == "llama":
+            result = fn(rest[0], rest[1], rest[2], rest[3] or None, int(rest[4]))
+        else:
+            result = fn(rest[0], rest[1], int(rest[2]), int(rest[3]))
+        result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(json.dumps(result))
+        return
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--types", default="Q8_0,Q6_K,Q4_K_M", help="comma list, or 'all'")
+    p.add_argument("--threads", type=int, default=0, help="threads for both (0 = torch's default)")
+    p.add_argument("--perplexity", type=int, default=0, help="wikitext-2 test chunks of 512 (0 = skip)")
+    p.add_argument("--imatrix-chunks", type=int, default=0, help="also compare imatrix-weighted files")
+    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "wikitext-2"))
+    p.add_argument("--llama7b", default=None, help="folder for the 13.5 GB Llama-2-7B-shaped peak-RSS run")
+    args = p.parse_args()
+
+    import torch
+
+    from llmopt.formats.gguf.mixes import MIXES
+
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    types = [m for m in MIXES if m not in ("F16", "BF16")] if args.types == "all" else args.types.split(",")
+    rows, report = [], {"threads": threads, "types": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        hf = smollm2_hf(work)
+        f16 = work / "F16.gguf"
+        report["F16_llmopt"] = run_job("llmopt", str(hf), str(f16), "F16", "")
+        imatrix = ""
+        if args.imatrix_chunks:
+            imatrix = str(work / "imatrix.gguf")
+            subprocess.run([sys.executable, "-m", "llmopt.cli.app", "imatrix", str(hf), "--calib",
+                            f"{args.data}/valid.txt", "-o", imatrix, "--chunks", str(args.imatrix_chunks)],
+                           check=True, cwd=ROOT)  # fmt: skip
+        for mix in types:
+            for weighted in ([False, True] if imatrix else [False]):
+                tag = mix + ("+imatrix" if weighted else "")
+                ours, theirs = work / f"{tag}.ours.gguf", work / f"{tag}.llama.gguf"
+                a = run_job("llmopt", str(hf), str(ours), mix, imatrix if weighted else "")
+                b = run_job("llama", str(f16), str(theirs), mix, imatrix if weighted else "", str(threads))
+                same = identical_blocks(ours, theirs)
+                entry = {"llmopt": a, "llama_cpp": b, "bytes": ours.stat().st_size,
+                         "llama_cpp_bytes": theirs.stat().st_size,
+                         "identical_blocks": {k: f"{100 * v[0] / max(v[1], 1):.3f}% of {v[1]}" for k, v in same.items()}}
+                if args.perplexity:
+                    entry["ppl_llmopt"] = run_job("ppl", str(ours), f"{args.data}/test.txt", str(args.perplexity), str(threads))
+                    entry["ppl_llama_cpp"] = run_job("ppl", str(theirs), f"{args.data}/test.txt", str(args.perplexity), str(threads))
+                report["types"][tag] = entry
+                rows.append((tag, a["seconds"], b["seconds"], a["peak_rss_mb"], b["peak_rss_mb"], entry["bytes"],
+                             ", ".join(f"{k} {v}" for k, v in entry["identical_blocks"].items()),
+                             entry.get("ppl_llmopt", {}).get("perplexity"), entry.get("ppl_llama_cpp", {}).get("perplexity")))
+                ours.unlink()
+                theirs.unlink()
+        if args.llama7b:
+            report["llama7b"] = llama7b_peak(Path(args.llama7b))
+    print(f"{'type':16} {'llmopt s':>9} {'llama s':>8} {'ratio':>6} {'RSS MB':>7} {'llamaRSS':>8} {'bytes':>11}  identical blocks")
+    for tag, ta, tb, ra, rb, size, ident, pa, pb in rows:
+        ppl = f"  ppl {pa:.4f} vs {pb:.4f}" if pa else ""
+        print(f"{tag:16} {ta:9.2f} {tb:8.2f} {ta / tb:6.2f} {ra:7.0f} {rb:8.0f} {size:11d}  {ident}{ppl}")
+    print(json.dumps(report, indent=1))
+
+
+def llama7b_peak(folder: Path) -> dict:
+    """Write a Llama-2-7B-shaped random fp16 HF dir (safetensors shards), then Q4_K_M it with llmopt."""
+    import torch
+    from safetensors.torch import save_file
+
+    hf = folder / "llama2-7b-random"
+    hf.mkdir(parents=True, exist_ok=True)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+           "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+           "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
+    (hf / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(0)
+    weight_map = {}
+    shapes = {"model.embed_tokens.weight": (32000, 4096), "lm_head.weight": (32000, 4096), "model.norm.weight": (4096,)}
+    for i in range(32):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (4096,), p + "post_attention_layernorm.weight": (4096,),
+                       **{p + f"self_attn.{x}_proj.weight": (4096, 4096) for x in "qkvo"},
+                       p + "mlp.gate_proj.weight": (11008, 4096), p + "mlp.up_proj.weight": (11008, 4096),
+                       p + "mlp.down_proj.weight": (4096, 11008)})
+    names = list(shapes)
+    for shard in range(0, len(names), 20):
+        part = {n: (torch.randn(shapes[n], generator=g) * 0.02).half() for n in names[shard : shard + 20]}
+        fname = f"model-{shard // 20:05d}.safetensors"
+        save_file(part, str(hf / fname))
+        weight_map.update({n: fname for n in part})
+        del part
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    out = folder / "llama2-7b-random-Q4_K_M.gguf"
+    result = run_job("llmopt", str(hf), str(out), "Q4_K_M", "")
+    result["bytes"] = out.stat().st_size
+    return result
+
+
+if __name__ == "__main__":
+    main()

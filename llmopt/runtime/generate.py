@@ -110,11 +110,10 @@ class Generator:
             metrics.drafted_tokens = metrics.accepted_tokens = 0
 
         t0 = time.perf_counter()
-        history = torch.tensor(prompt_ids, device=self.device)
-        logits = self.prefill(history, cache)
         ids = list(prompt_ids)
+        logits = self.prefill(torch.tensor(ids, device=self.device), cache)
         new: list[int] = []
-        token = next_token(logits, sampling, history, generator)
+        token = next_token(logits, sampling, self._history(ids, sampling), generator)
         t_first = None
 
         def commit(tokens: list[int]) -> str | None:
@@ -139,14 +138,9 @@ class Generator:
             return None
 
         reason = commit([token])
+        step = self._speculative_step if speculative else self._plain_step
         while reason is None:
-            if speculative:
-                reason = commit(self._speculative_step(ids, cache, sampling, generator, metrics))
-            else:
-                logits = self.model(torch.tensor([[ids[-1]]], device=self.device), len(ids) - 1, cache)[0, -1]
-                metrics.target_forwards += 1
-                history = torch.cat([history, torch.tensor(ids[len(history):], device=self.device)])
-                reason = commit([next_token(logits, sampling, history, generator)])
+            reason = commit(step(ids, cache, sampling, generator, metrics))
         _sync(self.device)
         t_end = time.perf_counter()
 
@@ -166,6 +160,17 @@ class Generator:
         text = stream.text if stream is not None else ""
         return GenerationResult(text=text, token_ids=new, metrics=metrics)
 
+    def _history(self, ids: list[int], sampling: SamplingConfig) -> torch.Tensor:
+        """The ids the repetition penalty looks at (none when it is off)."""
+        return torch.tensor(ids if sampling.repetition_penalty != 1.0 else [], dtype=torch.long, device=self.device)
+
+    def _plain_step(self, ids: list[int], cache: StaticKVCache, sampling: SamplingConfig,
+                    generator: torch.Generator, metrics: Metrics) -> list[int]:
+        """One forward pass of the last token, one new token."""
+        logits = self.model(torch.tensor([[ids[-1]]], device=self.device), len(ids) - 1, cache)[0, -1]
+        metrics.target_forwards += 1
+        return [next_token(logits, sampling, self._history(ids, sampling), generator)]
+
     def _speculative_step(self, ids: list[int], cache: StaticKVCache, sampling: SamplingConfig,
                           generator: torch.Generator, metrics: Metrics) -> list[int]:
         """Draft up to K tokens, verify them in one target forward, return the tokens to keep."""
@@ -173,9 +178,7 @@ class Generator:
         n = len(ids)
         drafts, q = self.drafter.propose(ids, self.num_draft, sampling, generator)
         if not drafts:  # nothing to propose (no n-gram match): an ordinary step
-            logits = self.model(torch.tensor([[ids[-1]]], device=self.device), n - 1, cache)[0, -1]
-            metrics.target_forwards += 1
-            return [next_token(logits, sampling, torch.tensor(ids, device=self.device), generator)]
+            return self._plain_step(ids, cache, sampling, generator, metrics)
         vocab = self.model.arch.vocab_size
         block = torch.tensor([[ids[-1], *drafts]], device=self.device)
         logits = self.model(block, n - 1, cache)[0].float()  # [K+1, V]

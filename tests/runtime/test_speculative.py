@@ -88,13 +88,15 @@ def test_prompt_lookup_copies_what_followed_the_latest_match():
 
 
 @pytest.mark.parametrize("how", ["draft", "lookup"])
-def test_speculative_greedy_equals_plain_greedy_tiny(tiny_models, how):
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_speculative_greedy_equals_plain_greedy_tiny(tiny_models, how, penalty):
     target, tok = load(tiny_models("llama"))
     ids = tok.encode("Pack my box with five dozen liquor jugs. Pack my box")
-    plain = Generator(target, tok).generate(ids, 40, ignore_eos=True)
+    cfg = SamplingConfig(repetition_penalty=penalty)
+    plain = Generator(target, tok).generate(ids, 40, cfg, ignore_eos=True)
     drafter = DraftModel(load(tiny_models("qwen2"))[0], len(ids) + 60, torch.float32, torch.device("cpu")) \
         if how == "draft" else PromptLookup(2)
-    spec = Generator(target, tok, drafter, num_draft=3).generate(ids, 40, ignore_eos=True)
+    spec = Generator(target, tok, drafter, num_draft=3).generate(ids, 40, cfg, ignore_eos=True)
     assert spec.token_ids == plain.token_ids
     assert spec.metrics.drafted_tokens > 0
 

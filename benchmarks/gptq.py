@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -66,36 +65,17 @@ print(json.dumps({"seconds": time.time() - t}))
 
 
 def perplexity(model_dir: str, ctx: int = 512, windows: int = 40) -> float:
-    """Non-overlapping windows of `ctx` tokens of test.txt; tokens 1..ctx-1 of each window are scored."""
-    try:
-        from llmopt.eval.perplexity import perplexity as project_perplexity  # the runtime issue's definition
-    except ImportError:
-        project_perplexity = None
-    if project_perplexity is not None:
-        try:
-            return float(project_perplexity(model_dir, str(DATA / "test.txt"), ctx=ctx, windows=windows))
-        except TypeError:
-            pass  # a different signature: fall back to the private helper below
+    """The project's definition (llmopt.eval.perplexity): non-overlapping windows of test.txt."""
     import torch
-    import torch.nn.functional as F
 
+    from llmopt.eval.perplexity import evaluate, token_windows
     from llmopt.model import open_model
     from llmopt.model.decoder import Decoder
 
-    torch.set_grad_enabled(False)
     with open_model(model_dir) as src:
-        tok = src.tokenizer()
-        ids = torch.tensor(tok.encode((DATA / "test.txt").read_text()), dtype=torch.int64)
+        ids = src.tokenizer().encode((DATA / "test.txt").read_text())
         model = Decoder.from_source(src, torch.float32)
-    nll, count = 0.0, 0
-    for w in range(windows):
-        chunk = ids[w * ctx:(w + 1) * ctx].unsqueeze(0)
-        if chunk.shape[1] < ctx:
-            break
-        logits = model(chunk)[0, :-1].float()
-        nll += float(F.cross_entropy(logits, chunk[0, 1:], reduction="sum"))
-        count += ctx - 1
-    return math.exp(nll / count)
+    return evaluate(model, token_windows(ids, ctx, windows)).perplexity
 
 
 def run_llmopt(src: str, out: str, options: list[str], nsamples: int, seqlen: int) -> dict:
@@ -108,8 +88,9 @@ def run_llmopt(src: str, out: str, options: list[str], nsamples: int, seqlen: in
 
 def _timed(cmd: list[str]) -> dict:
     start = time.perf_counter()
+    env = {**os.environ, "GPTQMODEL_CPU_WORKERS": "2"}  # gptqmodel's default (cores/2) is refused on 2 cores
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT, env=env)
         stdout = proc.stdout.read()
         _, status, rusage = os.wait4(proc.pid, 0)
         if status != 0:

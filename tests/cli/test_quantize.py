@@ -51,9 +51,9 @@ def test_gptq_act_order_with_report(llmopt_cli, tiny_models, tmp_path, calib_txt
     assert info["parameters"] > 0
 
 
-def test_rtn_dense_json(llmopt_cli, tiny_models, tmp_path) -> None:
+def test_rtn_dense_json(llmopt_inprocess, tiny_models, tmp_path) -> None:
     out = tmp_path / "d"
-    r = llmopt_cli("--json", "quantize", tiny_models("qwen2"), "--method", "rtn", "--bits", "5", "--group-size", "-1",
+    r = llmopt_inprocess("--json", "quantize", tiny_models("qwen2"), "--method", "rtn", "--bits", "5", "--group-size", "-1",
                    "--asym", "--format", "dense", "-o", out)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
@@ -63,9 +63,9 @@ def test_rtn_dense_json(llmopt_cli, tiny_models, tmp_path) -> None:
     assert "quantization_config" not in cfg and cfg["llmopt"]["method"] == "rtn"
 
 
-def test_calib_self_default(llmopt_cli, tiny_models, tmp_path) -> None:
+def test_calib_self_default(llmopt_inprocess, tiny_models, tmp_path) -> None:
     out = tmp_path / "s"
-    r = llmopt_cli("--json", "quantize", tiny_models("llama"), "--group-size", "32", "--nsamples", "2", "--seqlen", "16", "-o", out)
+    r = llmopt_inprocess("--json", "quantize", tiny_models("llama"), "--group-size", "32", "--nsamples", "2", "--seqlen", "16", "-o", out)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["calibration"]["source"] == "self"
 
@@ -93,10 +93,10 @@ def test_bad_input(llmopt_inprocess, tiny_models, tmp_path, args, expect) -> Non
     assert list(tmp_path.glob("*out*")) == []
 
 
-def test_existing_output_is_refused_before_work(llmopt_cli, tiny_models, tmp_path) -> None:
+def test_existing_output_is_refused_before_work(llmopt_inprocess, tiny_models, tmp_path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep").write_text("x")
-    r = llmopt_cli("quantize", tiny_models("llama"), "--method", "rtn", "--group-size", "32", "-o", out)
+    r = llmopt_inprocess("quantize", tiny_models("llama"), "--method", "rtn", "--group-size", "32", "-o", out)
     assert_clean_failure(r, "already exists")
     assert (out / "keep").read_text() == "x"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -136,6 +137,11 @@ def main() -> None:
     p.add_argument("--imatrix-chunks", type=int, default=0, help="also compare imatrix-weighted files")
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "wikitext-2"))
     p.add_argument("--llama7b", default=None, help="folder for the 13.5 GB Llama-2-7B-shaped peak-RSS run")
+    p.add_argument("--llama7b-llama", action="store_true",
+                   help="also time llama.cpp on the 7B shape (needs an extra 13.5 GB F16 GGUF, written by llmopt)")
+    p.add_argument("--models", default="smollm2,wide",
+                   help="comma list: smollm2 (hidden 576: K mixes fall back to legacy types on most tensors), "
+                        "wide (random llama, hidden 1024, FFN 2816, 4 layers: K-quants on every tensor)")
     args = p.parse_args()
 
     import torch
@@ -145,48 +151,65 @@ def main() -> None:
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     types = [m for m in MIXES if m not in ("F16", "BF16")] if args.types == "all" else args.types.split(",")
-    rows, report = [], {"threads": threads, "types": {}}
+    rows, report = [], {"threads": threads, "types": {}, "loadavg_start": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        hf = smollm2_hf(work)
-        f16 = work / "F16.gguf"
-        report["F16_llmopt"] = run_job("llmopt", str(hf), str(f16), "F16", "")
-        imatrix = ""
-        if args.imatrix_chunks:
-            imatrix = str(work / "imatrix.gguf")
-            subprocess.run([sys.executable, "-m", "llmopt.cli.app", "imatrix", str(hf), "--calib",
-                            f"{args.data}/valid.txt", "-o", imatrix, "--chunks", str(args.imatrix_chunks)],
-                           check=True, cwd=ROOT)  # fmt: skip
-        for mix in types:
-            for weighted in ([False, True] if imatrix else [False]):
-                tag = mix + ("+imatrix" if weighted else "")
-                ours, theirs = work / f"{tag}.ours.gguf", work / f"{tag}.llama.gguf"
-                a = run_job("llmopt", str(hf), str(ours), mix, imatrix if weighted else "")
-                b = run_job("llama", str(f16), str(theirs), mix, imatrix if weighted else "", str(threads))
-                same = identical_blocks(ours, theirs)
-                entry = {"llmopt": a, "llama_cpp": b, "bytes": ours.stat().st_size,
-                         "llama_cpp_bytes": theirs.stat().st_size,
-                         "identical_blocks": {k: f"{100 * v[0] / max(v[1], 1):.3f}% of {v[1]}" for k, v in same.items()}}
-                if args.perplexity:
-                    entry["ppl_llmopt"] = run_job("ppl", str(ours), f"{args.data}/test.txt", str(args.perplexity), str(threads))
-                    entry["ppl_llama_cpp"] = run_job("ppl", str(theirs), f"{args.data}/test.txt", str(args.perplexity), str(threads))
-                report["types"][tag] = entry
-                rows.append((tag, a["seconds"], b["seconds"], a["peak_rss_mb"], b["peak_rss_mb"], entry["bytes"],
-                             ", ".join(f"{k} {v}" for k, v in entry["identical_blocks"].items()),
-                             entry.get("ppl_llmopt", {}).get("perplexity"), entry.get("ppl_llama_cpp", {}).get("perplexity")))
-                ours.unlink()
-                theirs.unlink()
+        for model in args.models.split(","):
+            work = Path(tmp) / model
+            work.mkdir()
+            hf = smollm2_hf(work) if model == "smollm2" else wide_hf(work)
+            bench_model(model, hf, work, types, threads, args, rows, report)
         if args.llama7b:
-            report["llama7b"] = llama7b_peak(Path(args.llama7b))
-    print(f"{'type':16} {'llmopt s':>9} {'llama s':>8} {'ratio':>6} {'RSS MB':>7} {'llamaRSS':>8} {'bytes':>11}  identical blocks")
-    for tag, ta, tb, ra, rb, size, ident, pa, pb in rows:
+            report["llama7b"] = llama7b_peak(Path(args.llama7b), threads, args.llama7b_llama)
+    report["loadavg_end"] = os.getloadavg()
+    print(f"load average start {report['loadavg_start']}, end {report['loadavg_end']}")
+    print(f"{'model':8} {'type':16} {'llmopt s':>9} {'llama s':>8} {'ratio':>6} {'RSS MB':>7} {'llamaRSS':>8} {'bytes':>11}  identical blocks")
+    for model, tag, ta, tb, ra, rb, size, ident, pa, pb in rows:
         ppl = f"  ppl {pa:.4f} vs {pb:.4f}" if pa else ""
-        print(f"{tag:16} {ta:9.2f} {tb:8.2f} {ta / tb:6.2f} {ra:7.0f} {rb:8.0f} {size:11d}  {ident}{ppl}")
+        print(f"{model:8} {tag:16} {ta:9.2f} {tb:8.2f} {ta / tb:6.2f} {ra:7.0f} {rb:8.0f} {size:11d}  {ident}{ppl}")
     print(json.dumps(report, indent=1))
 
 
-def llama7b_peak(folder: Path) -> dict:
-    """Write a Llama-2-7B-shaped random fp16 HF dir (safetensors shards), then Q4_K_M it with llmopt."""
+def wide_hf(work: Path) -> Path:
+    """A random llama whose every matrix row divides into 256, so K mixes use K-quants everywhere."""
+    from tests.formats.gguf.models import make_wide_hf
+
+    return make_wide_hf(work / "wide-f16", hidden=1024, ffn=2816, layers=4, heads=8, kv_heads=4)
+
+
+def bench_model(model: str, hf: Path, work: Path, types: list[str], threads: int, args, rows: list, report: dict) -> None:  # noqa: ANN001
+    """Every type on one model: llmopt (HF dir) and llama.cpp (llmopt's F16 GGUF), one after the other."""
+    f16 = work / "F16.gguf"
+    report.setdefault("F16_llmopt", {})[model] = run_job("llmopt", str(hf), str(f16), "F16", "")
+    imatrix = ""
+    if args.imatrix_chunks:
+        imatrix = str(work / "imatrix.gguf")
+        subprocess.run([sys.executable, "-m", "llmopt.cli.app", "imatrix", str(hf), "--calib",
+                        f"{args.data}/valid.txt", "-o", imatrix, "--chunks", str(args.imatrix_chunks)],
+                       check=True, cwd=ROOT)  # fmt: skip
+    for mix in types:
+        for weighted in ([False, True] if imatrix else [False]):
+            tag = mix + ("+imatrix" if weighted else "")
+            ours, theirs = work / f"{tag}.ours.gguf", work / f"{tag}.llama.gguf"
+            a = run_job("llmopt", str(hf), str(ours), mix, imatrix if weighted else "")
+            b = run_job("llama", str(f16), str(theirs), mix, imatrix if weighted else "", str(threads))
+            same = identical_blocks(ours, theirs)
+            entry = {"llmopt": a, "llama_cpp": b, "bytes": ours.stat().st_size,
+                     "llama_cpp_bytes": theirs.stat().st_size,
+                     "identical_blocks": {k: f"{100 * v[0] / max(v[1], 1):.3f}% of {v[1]}" for k, v in same.items()}}
+            if args.perplexity:
+                entry["ppl_llmopt"] = run_job("ppl", str(ours), f"{args.data}/test.txt", str(args.perplexity), str(threads))
+                entry["ppl_llama_cpp"] = run_job("ppl", str(theirs), f"{args.data}/test.txt", str(args.perplexity), str(threads))
+            report["types"][f"{model} {tag}"] = entry
+            rows.append((model, tag, a["seconds"], b["seconds"], a["peak_rss_mb"], b["peak_rss_mb"], entry["bytes"],
+                         ", ".join(f"{k} {v}" for k, v in entry["identical_blocks"].items()),
+                         entry.get("ppl_llmopt", {}).get("perplexity"), entry.get("ppl_llama_cpp", {}).get("perplexity")))
+            ours.unlink()
+            theirs.unlink()
+
+
+def llama7b_peak(folder: Path, threads: int, with_llama: bool) -> dict:
+    """Write a Llama-2-7B-shaped random fp16 HF dir (safetensors shards), then Q4_K_M it with llmopt (and,
+    with `with_llama`, with llama.cpp from llmopt's F16 GGUF of it). Deletes everything it wrote."""
     import torch
     from safetensors.torch import save_file
 
@@ -214,10 +237,26 @@ def llama7b_peak(folder: Path) -> dict:
         del part
     (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     out = folder / "llama2-7b-random-Q4_K_M.gguf"
-    result = run_job("llmopt", str(hf), str(out), "Q4_K_M", "")
-    result["bytes"] = out.stat().st_size
-    return result
+    try:
+        result = {"llmopt": run_job("llmopt", str(hf), str(out), "Q4_K_M", "")}
+        result["bytes"] = out.stat().st_size
+        if with_llama:
+            f16 = folder / "llama2-7b-random-F16.gguf"
+            result["llmopt_F16"] = run_job("llmopt", str(hf), str(f16), "F16", "")
+            theirs = folder / "llama2-7b-random-Q4_K_M.llama.gguf"
+            result["llama_cpp"] = run_job("llama", str(f16), str(theirs), "Q4_K_M", "", str(threads))
+            f16.unlink()
+            result["identical_blocks"] = {k: f"{100 * v[0] / max(v[1], 1):.3f}% of {v[1]}"
+                                          for k, v in identical_blocks(out, theirs).items()}
+            theirs.unlink()
+        print(json.dumps({"llama7b": result}), file=sys.stderr)
+        return result
+    finally:
+        import shutil
 
+        shutil.rmtree(hf, ignore_errors=True)
+        for f in folder.glob("llama2-7b-random*.gguf"):
+            f.unlink()
 
 if __name__ == "__main__":
     main()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -11,7 +13,7 @@ from llmopt.quant.grids.numerics import blocks_major, nearest_int, seq_sum
 from llmopt.quant.tensor import QuantizedTensor
 
 QK_K = 256  # elements per K-quant super-block
-CHUNK_ELEMENTS = 1 << 21  # rows are quantized in chunks of about this many elements (bounds memory)
+CHUNK_ELEMENTS = 1 << 18  # rows are quantized in chunks of about this many elements (a chunk's temporaries stay in cache)
 
 
 def check_rows(w: torch.Tensor, block: int, type_name: str) -> torch.Tensor:
@@ -42,11 +44,55 @@ def per_block(values: torch.Tensor, n_sub: int) -> torch.Tensor:
 
 def in_row_chunks(w: torch.Tensor, fn: Callable[..., dict[str, torch.Tensor]],
                   importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
-    """Apply `fn(rows_chunk, importance)` to chunks of whole rows and concatenate its outputs by row."""
+    """Apply `fn(rows_chunk, importance)` to chunks of whole rows and concatenate its outputs by row.
+
+    The searches are long chains of small vector ops, for which torch's intra-op threads cost more in
+    synchronisation than they gain (10x slower on a loaded 2-core machine). So the chunks run on
+    single-threaded torch ops in parallel worker threads (torch releases the GIL), as many as torch
+    was allowed threads; the results do not depend on the split."""
     rows, cols = w.shape
     step = max(1, CHUNK_ELEMENTS // cols)
-    parts = [fn(w[start : start + step], importance) for start in range(0, rows, step)]
+    starts = range(0, rows, step)
+    with single_threaded_ops() as workers:
+        if workers > 1 and len(starts) > 1:
+            parts = list(_pool(workers).map(lambda s: fn(w[s : s + step], importance), starts))
+        else:
+            parts = [fn(w[s : s + step], importance) for s in starts]
     return {k: torch.cat([p[k] for p in parts], dim=0) for k in parts[0]}
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_LOCK = threading.Lock()
+_DEPTH = 0  # nesting of single_threaded_ops (the threads setting is process-wide)
+_SAVED = 1
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    with _LOCK:
+        if workers not in _POOLS:
+            _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="llmopt-grid")
+        return _POOLS[workers]
+
+
+class single_threaded_ops:  # noqa: N801 (a context manager used like a function)
+    """Set torch to one intra-op thread while quantizing; yields how many threads it had (the
+    workers to use). Nested and concurrent uses share one saved setting."""
+
+    def __enter__(self) -> int:
+        global _DEPTH, _SAVED
+        with _LOCK:
+            if _DEPTH == 0:
+                _SAVED = torch.get_num_threads()
+                torch.set_num_threads(1)
+            _DEPTH += 1
+            return _SAVED
+
+    def __exit__(self, *exc: object) -> None:
+        global _DEPTH
+        with _LOCK:
+            _DEPTH -= 1
+            if _DEPTH == 0:
+                torch.set_num_threads(_SAVED)
 
 
 def to_rows(major: torch.Tensor, rows: int) -> torch.Tensor:

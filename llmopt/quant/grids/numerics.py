@@ -38,10 +38,12 @@ def nearest_int_exact(v: torch.Tensor) -> torch.Tensor:
 
 
 def seq_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over dim 0 in index order with a float32 accumulator, as a C `for` loop does."""
-    acc = t[0].clone()
-    for i in range(1, t.shape[0]):
-        acc += t[i]
+    """Sum over dim 0 in index order with a float32 accumulator, as a C `for` loop does (one in-place
+    add per element over all blocks: for `t` contiguous each row it adds is contiguous too)."""
+    rows = t.unbind(0)
+    acc = rows[0].clone()
+    for row in rows[1:]:
+        acc.add_(row)
     return acc
 
 

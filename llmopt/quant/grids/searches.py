@@ -32,30 +32,49 @@ from llmopt.quant.grids.numerics import (
 )
 
 
+QX_SLICE_ELEMENTS = 1 << 20  # make_qx_quants runs its 19 trials at once on slices of blocks this big (x 19)
+
+
 def make_qx_quants(x: torch.Tensor, nmax: int, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric search (rmse_type 1): weights default to x², levels returned offset by +nmax."""
+    """Symmetric search (rmse_type 1): weights default to x², levels returned offset by +nmax.
+
+    The 19 trial scales do not depend on each other, so they run as one batch [n, 19, blocks] (on
+    slices of the blocks that keep it in cache); only the choice among them is sequential, as in C."""
+    n, blocks = x.shape
+    step = max(1, QX_SLICE_ELEMENTS // (19 * n))
+    if blocks <= step:
+        return _make_qx_slice(x, nmax, weights)
+    parts = [_make_qx_slice(x[:, s : s + step], nmax, None if weights is None else weights[:, s : s + step])
+             for s in range(0, blocks, step)]  # fmt: skip
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts], dim=1)
+
+
+def _make_qx_slice(x: torch.Tensor, nmax: int, weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     w = x * x if weights is None else weights
     mx = first_absmax(x)
     zero = x.abs().amax(dim=0) < GROUP_MAX_EPS
     mx_safe = torch.where(zero, torch.ones_like(mx), mx)
     wx = w * x
-
-    def trial(iscale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        l = nearest_int(iscale * x).clamp_(-nmax, nmax - 1)
-        return l, seq_sum(wx * l), seq_sum(w * l * l)
-
-    l, sumlx, suml2 = trial(rdiv(-float(nmax), mx_safe))
-    levels = l + nmax
-    scale = torch.where(suml2 != 0, safe_div(sumlx, suml2), torch.zeros_like(sumlx))
-    best = scale * sumlx
-    for step in range(-9, 10):
-        if step == 0:
-            continue
-        l, sumlx, suml2 = trial(rdiv(-c_step(nmax, 0.1, step), mx_safe))
-        better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-        levels = torch.where(better, l + nmax, levels)
-        scale = torch.where(better, safe_div(sumlx, suml2), scale)
-        best = torch.where(better, scale * sumlx, best)
+    # trial 0 is the plain scale -nmax/max, then -(nmax + 0.1·is)/max for is = -9..-1, 1..9, in C's order
+    numerators = [float(nmax)] + [c_step(nmax, 0.1, s) for s in range(-9, 10) if s != 0]
+    iscales = torch.stack([rdiv(-v, mx_safe) for v in numerators])  # [T, B]
+    l = torch.mul(x[:, None, :], iscales[None])  # [n, T, B]
+    l.round_().clamp_(-nmax, nmax - 1)
+    prods = torch.empty((x.shape[0], 2) + iscales.shape)  # [n, 2, T, B]: w·x·l and w·l·l
+    torch.mul(wx[:, None, :], l, out=prods[:, 0])
+    torch.mul(w[:, None, :], l, out=prods[:, 1]).mul_(l)
+    sums = seq_sum(prods)  # [2, T, B]
+    sumlx, suml2 = sums[0], sums[1]
+    scale = torch.where(suml2[0] != 0, safe_div(sumlx[0], suml2[0]), torch.zeros_like(mx))
+    best = scale * sumlx[0]
+    pick = torch.zeros_like(mx, dtype=torch.int64)
+    for t in range(1, len(numerators)):
+        slx, sl2 = sumlx[t], suml2[t]
+        better = (sl2 > 0) & (slx * slx > best * sl2)
+        pick = torch.where(better, t, pick)
+        scale = torch.where(better, safe_div(slx, sl2), scale)
+        best = torch.where(better, scale * slx, best)
+    levels = l.gather(1, pick.expand(x.shape[0], 1, -1))[:, 0].add_(nmax)
     levels = torch.where(zero, torch.zeros_like(levels), levels)
     return torch.where(zero, torch.zeros_like(scale), scale), levels
 
@@ -110,7 +129,8 @@ def make_qkx_quants(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric search (make_qkx2_quants / make_qkx3_quants): returns (scale, the_min >= 0, levels).
 
-    Each trial inverse scale is measured from the best min found so far, so the trials run in order.
+    Each trial inverse scale is measured from the best min found so far, so the trials run in order;
+    within a trial the three weighted sums share one pass ([n, 3, blocks], summed in index order).
     """
     w = weights
     mn = c_min(x)
@@ -119,25 +139,31 @@ def make_qkx_quants(
     flat = mx <= mn
     sum_w = seq_sum(w)
     sum_x = seq_sum(w * x)
+    n = x.shape[0]
+    prods = torch.empty((n, 3, x.shape[1]))  # w·l, w·l·l, w·l·x of one trial
+    diff = torch.empty_like(x)
 
     def error(scale: torch.Tensor, minimum: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-        diff = scale * levels + minimum - x
-        diff = diff.abs() if use_mad else diff * diff
-        return seq_sum(w * diff)
+        torch.mul(levels, scale, out=diff).add_(minimum).sub_(x)  # scale·l + min - x
+        diff.abs_() if use_mad else diff.mul_(diff)
+        return seq_sum(diff.mul_(w))
+
+    def levels_for(iscale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+        return torch.sub(x, minimum).mul_(iscale).round_().clamp_(0, nmax)  # nearest_int(iscale·(x - min))
 
     rng = torch.where(flat, torch.ones_like(mx), mx - mn)
     iscale = rdiv(float(nmax), rng)
     scale = rdiv(1.0, iscale)
-    L = nearest_int(iscale * (x - mn)).clamp_(0, nmax)
+    L = levels_for(iscale, mn)
     best = error(scale, mn, L)
     for step in range(nstep + 1):
         iscale = c_step(rmin, rdelta, step) + nmax
         iscale = rdiv(c_float(iscale), torch.where(flat, torch.ones_like(mx), mx - mn))
-        l = nearest_int(iscale * (x - mn)).clamp_(0, nmax)
-        wl = w * l
-        sum_l = seq_sum(wl)
-        sum_l2 = seq_sum(wl * l)
-        sum_xl = seq_sum(wl * x)
+        l = levels_for(iscale, mn)
+        wl = torch.mul(w, l, out=prods[:, 0])
+        torch.mul(wl, l, out=prods[:, 1])
+        torch.mul(wl, x, out=prods[:, 2])
+        sum_l, sum_l2, sum_xl = seq_sum(prods).unbind(0)
         D = sum_w * sum_l2 - sum_l * sum_l
         this_scale = safe_div(sum_w * sum_xl - sum_x * sum_l, D)
         this_min = safe_div(sum_l2 * sum_x - sum_l * sum_xl, D)
@@ -146,7 +172,7 @@ def make_qkx_quants(
         this_min = torch.where(positive, torch.zeros_like(this_min), this_min)
         cur = error(this_scale, this_min, l)
         better = (D > 0) & (cur < best) & ~flat
-        L = torch.where(better, l, L)
+        torch.where(better, l, L, out=L)
         best = torch.where(better, cur, best)
         scale = torch.where(better, this_scale, scale)
         mn = torch.where(better, this_min, mn)

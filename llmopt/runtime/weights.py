@@ -16,6 +16,7 @@ from llmopt.model import ModelSource, TokenizerInfo, open_model
 from llmopt.model.decoder import Decoder, Rotary, hf_to_param_name
 from llmopt.model.gptq_dir import GPTQDirSource, GPTQParts
 from llmopt.runtime.int4 import PackedInt4Linear, packable
+from llmopt.runtime.row_major import use_row_major_linears
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -51,13 +52,16 @@ def load_model(spec: str, dtype: str = "auto", device: str = "auto", packed: boo
 
 def build_decoder(source: ModelSource, dtype: torch.dtype, device: torch.device, packed: bool = True) -> Decoder:
     """Float and GGUF sources: dequantized into the dtype. GPTQ: 4-bit layers stay packed where the
-    int4 kernel applies (`packed`), the rest is dequantized layer by layer."""
+    int4 kernel applies (`packed`), the rest is dequantized layer by layer. On CPU, float linears
+    take the row-major layout that streams weights fastest (see row_major.py)."""
     if isinstance(source, GPTQDirSource):
-        return _gptq_decoder(source, dtype, device, packed)
-    qc = source.quantization_config
-    if qc:
-        raise InputError(f"{source.path}: {qc.get('quant_method', 'quantized')} checkpoints are not supported by the runtime")
-    return Decoder.from_source(source, dtype, device)
+        model = _gptq_decoder(source, dtype, device, packed)
+    elif source.quantization_config:
+        method = source.quantization_config.get("quant_method", "quantized")
+        raise InputError(f"{source.path}: {method} checkpoints are not supported by the runtime")
+    else:
+        model = Decoder.from_source(source, dtype, device)
+    return use_row_major_linears(model) if device.type == "cpu" else model
 
 
 def _gptq_decoder(source: GPTQDirSource, dtype: torch.dtype, device: torch.device, packed: bool) -> Decoder:

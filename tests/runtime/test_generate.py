@@ -119,3 +119,22 @@ def test_sliding_window_decode_equals_full_recompute(tiny_models, tmp_path):
     assert model.arch.sliding_window == 5
     ids = tok.encode("Sphinx of black quartz, judge my vow.")
     assert Generator(model, tok, prefill_chunk=3).generate(ids, 12, ignore_eos=True).token_ids == greedy_without_cache(model, ids, 12)
+
+
+def test_row_major_layout_gives_same_logits(tiny_models):
+    """The CPU decode layout (x @ W^T with W^T stored) is the same function as nn.Linear."""
+    import torch
+
+    from llmopt.model import open_model
+    from llmopt.model.decoder import Decoder
+    from llmopt.runtime.row_major import RowMajorLinear, TiedEmbedding, use_row_major_linears
+
+    for family, tie in (("qwen2", True), ("llama", False)):
+        with open_model(tiny_models(family, tie)) as src:
+            plain = Decoder.from_source(src)
+            fast = use_row_major_linears(Decoder.from_source(src))
+        assert isinstance(fast.layers[0].self_attn.q_proj, RowMajorLinear)
+        assert isinstance(fast.embed_tokens, TiedEmbedding) == tie
+        ids = torch.randint(0, 300, (1, 17), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            assert (plain(ids) - fast(ids)).abs().max().item() < 1e-5

@@ -8,7 +8,7 @@ the original GGUF for context (its Q4_1 weights, so a different workload). With 
 adds batch-1 decode of a Llama-3-8B-shaped model with random bf16 weights as a fraction of the
 memory-bandwidth roofline. Prints a table and one JSON line.
 
-Usage: python benchmarks/runtime_decode.py [--threads N] [--repeats 3] [--device cpu|cuda] [--llama-cpp] [--gptq DIR]
+Usage: python benchmarks/runtime.py [--threads N] [--repeats 3] [--device cpu|cuda] [--llama-cpp] [--gptq DIR]
 """
 
 from __future__ import annotations

@@ -21,11 +21,13 @@ def _half_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.int32)
+    """Codes and integer fields as uint8 (a no-op for the grids' outputs): every packer below keeps
+    its shifted values under 256, so the bit arithmetic runs on bytes without widening."""
+    return t.to(torch.uint8)
 
 
 def _nibbles(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    return ((lo & 0xF) | ((hi & 0xF) << 4)).to(torch.uint8)
+    return (lo & 0xF) | (hi << 4)
 
 
 def _crumbs(q: torch.Tensor) -> torch.Tensor:
@@ -36,34 +38,33 @@ def _crumbs(q: torch.Tensor) -> torch.Tensor:
 
 def _high_bits_32(q: torch.Tensor) -> torch.Tensor:
     """Bit 4 of each of a 32-block's levels as the little-endian uint32 `qh` [n, 4] (bit k = level k)."""
-    bits = ((q >> 4) & 1).reshape(-1, 4, 8)
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32)
-    return (bits * weights).sum(-1).to(torch.uint8)
+    bits = ((q >> 4) & 1).reshape(-1, 4, 8).numpy()
+    return torch.from_numpy(np.packbits(bits, axis=-1, bitorder="little").reshape(-1, 4))
 
 
 def _k_scales_6bit(sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """Q4_K/Q5_K: 8 six-bit scales and 8 six-bit mins [n, 8] -> 12 bytes (get_scale_min_k4's layout)."""
     sc, m = _u8(sc), _u8(m)
-    out = torch.zeros(sc.shape[0], 12, dtype=torch.int32)
+    out = torch.empty(sc.shape[0], 12, dtype=torch.uint8)
     out[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
     out[:, 4:8] = m[:, 0:4] | ((m[:, 4:8] >> 4) << 6)
     out[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
-    return out.to(torch.uint8)
+    return out
 
 
 def _q3_scales(stored: torch.Tensor) -> torch.Tensor:
     """Q3_K: 16 six-bit (biased) scales [n, 16] -> 12 bytes: low nibbles in 0..7, high 2 bits in 8..11."""
     s = _u8(stored)
-    out = torch.zeros(s.shape[0], 12, dtype=torch.int32)
+    out = torch.zeros(s.shape[0], 12, dtype=torch.uint8)
     out[:, 0:8] = (s[:, 0:8] & 0xF) | ((s[:, 8:16] & 0xF) << 4)
     hi = s >> 4  # [n, 16]; byte 8 + j%4 holds bits at 2*(j/4)
     for quarter in range(4):
         out[:, 8:12] |= hi[:, 4 * quarter : 4 * quarter + 4] << (2 * quarter)
-    return out.to(torch.uint8)
+    return out
 
 
 def pack_q8_0(qt: QuantizedTensor) -> torch.Tensor:
-    q = (_u8(qt.codes) - 128).to(torch.int8).view(torch.uint8).reshape(-1, 32)
+    q = (_u8(qt.codes) ^ 0x80).reshape(-1, 32)  # stored +128: the int8 code's byte flips the top bit
     return torch.cat([_half_bytes(qt.aux["d"].reshape(-1)), q], dim=1)
 
 
@@ -100,7 +101,7 @@ def pack_q2_k(qt: QuantizedTensor) -> torch.Tensor:
 def pack_q3_k(qt: QuantizedTensor) -> torch.Tensor:
     q = _u8(qt.codes).reshape(-1, 256)
     high = (q >> 2) & 1  # level > 3
-    bits = high.reshape(-1, 8, 32) << torch.arange(8, dtype=torch.int32).reshape(1, 8, 1)
+    bits = high.reshape(-1, 8, 32) << torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
     hmask = bits.sum(1).to(torch.uint8)  # bit b of hmask[m] = level 32*b + m
     scales = _q3_scales(qt.aux["sc"].reshape(-1, 16))
     return torch.cat([hmask, _crumbs(q & 3), scales, _half_bytes(qt.aux["d"].reshape(-1))], dim=1)
@@ -116,7 +117,7 @@ def pack_q4_k(qt: QuantizedTensor) -> torch.Tensor:
 def pack_q5_k(qt: QuantizedTensor) -> torch.Tensor:
     q = _u8(qt.codes).reshape(-1, 4, 2, 32)
     qs = _nibbles(q[:, :, 0], q[:, :, 1]).reshape(-1, 128)
-    shifts = torch.arange(8, dtype=torch.int32).reshape(1, 4, 2, 1)  # level n*64 + h*32 + j -> bit 2n + h
+    shifts = torch.arange(8, dtype=torch.uint8).reshape(1, 4, 2, 1)  # level n*64 + h*32 + j -> bit 2n + h
     qh = (((q >> 4) & 1) << shifts).sum(dim=(1, 2)).to(torch.uint8)
     head = [_half_bytes(qt.aux["d"].reshape(-1)), _half_bytes(qt.aux["dmin"].reshape(-1))]
     scales = _k_scales_6bit(qt.aux["sc"].reshape(-1, 8), qt.aux["m"].reshape(-1, 8))

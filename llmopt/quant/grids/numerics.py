@@ -54,16 +54,29 @@ def fp16(v: torch.Tensor) -> torch.Tensor:
 
 def first_absmax(x: torch.Tensor) -> torch.Tensor:
     """Per block (dim 0 = elements), the signed value of largest magnitude, first one on ties, +0 for
-    an all-zero block (C: `max = 0; if (fabsf(x) > amax) ...`)."""
-    idx = x.abs().argmax(dim=0, keepdim=True)
-    value = x.gather(0, idx)[0]
+    an all-zero block (C: `max = 0; if (fabsf(x) > amax) ...`). The largest and smallest values
+    decide it unless both ±max occur; only those blocks are searched in order."""
+    hi, lo = x.amax(dim=0), x.amin(dim=0)
+    value = torch.where(hi > -lo, hi, lo)
+    tie = hi == -lo
+    if bool(tie.any()):
+        idx = tie.nonzero()[:, 0]
+        sub = x[:, idx]
+        value[idx] = sub.gather(0, sub.abs().argmax(dim=0, keepdim=True))[0]
     return torch.where(value != 0, value, torch.zeros_like(value))
 
 
 def _first_equal(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """The first element of each block equal to `value`: its sign is the one a C loop keeps for ±0."""
-    idx = (x == value).to(torch.uint8).argmax(dim=0, keepdim=True)
-    return x.gather(0, idx)[0]
+    """The first element of each block equal to `value`: its sign is the one a C loop keeps for ±0.
+    (Equal nonzero floats are the same float, so only blocks whose value is zero are searched.)"""
+    zero = value == 0
+    if not bool(zero.any()):
+        return value
+    idx = zero.nonzero()[:, 0]
+    sub = x[:, idx]
+    value = value.clone()
+    value[idx] = sub.gather(0, (sub == 0).to(torch.uint8).argmax(dim=0, keepdim=True))[0]
+    return value
 
 
 def c_min(x: torch.Tensor) -> torch.Tensor:

@@ -32,24 +32,16 @@ from llmopt.quant.grids.numerics import (
 )
 
 
-QX_SLICE_ELEMENTS = 1 << 20  # make_qx_quants runs its 19 trials at once on slices of blocks this big (x 19)
+QX_SLICE_ELEMENTS = 1 << 18  # make_qx_quants measures its 19 trials at once on slices of blocks this big (x 19)
 
 
 def make_qx_quants(x: torch.Tensor, nmax: int, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric search (rmse_type 1): weights default to x², levels returned offset by +nmax.
 
-    The 19 trial scales do not depend on each other, so they run as one batch [n, 19, blocks] (on
-    slices of the blocks that keep it in cache); only the choice among them is sequential, as in C."""
+    The 19 trial scales do not depend on each other, so their sums are measured as one batch
+    [n, 19, blocks] (on slices of the blocks that keep it in cache); only the choice among them is
+    sequential, as in C, and the chosen trial's levels are recomputed at the end."""
     n, blocks = x.shape
-    step = max(1, QX_SLICE_ELEMENTS // (19 * n))
-    if blocks <= step:
-        return _make_qx_slice(x, nmax, weights)
-    parts = [_make_qx_slice(x[:, s : s + step], nmax, None if weights is None else weights[:, s : s + step])
-             for s in range(0, blocks, step)]  # fmt: skip
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts], dim=1)
-
-
-def _make_qx_slice(x: torch.Tensor, nmax: int, weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     w = x * x if weights is None else weights
     mx = first_absmax(x)
     zero = x.abs().amax(dim=0) < GROUP_MAX_EPS
@@ -58,23 +50,33 @@ def _make_qx_slice(x: torch.Tensor, nmax: int, weights: torch.Tensor | None) -> 
     # trial 0 is the plain scale -nmax/max, then -(nmax + 0.1·is)/max for is = -9..-1, 1..9, in C's order
     numerators = [float(nmax)] + [c_step(nmax, 0.1, s) for s in range(-9, 10) if s != 0]
     iscales = torch.stack([rdiv(-v, mx_safe) for v in numerators])  # [T, B]
-    l = torch.mul(x[:, None, :], iscales[None])  # [n, T, B]
-    l.round_().clamp_(-nmax, nmax - 1)
-    prods = torch.empty((x.shape[0], 2) + iscales.shape)  # [n, 2, T, B]: w·x·l and w·l·l
-    torch.mul(wx[:, None, :], l, out=prods[:, 0])
-    torch.mul(w[:, None, :], l, out=prods[:, 1]).mul_(l)
-    sums = seq_sum(prods)  # [2, T, B]
+    trials = len(numerators)
+    sums = torch.empty(2, trials, blocks)  # Σ w·x·l and Σ w·l·l per trial and block
+    step = max(1, QX_SLICE_ELEMENTS // (trials * n))
+    for s in range(0, blocks, step):
+        sl = slice(s, s + step)
+        l = torch.mul(x[:, None, sl], iscales[None, :, sl])  # [n, T, b]
+        l.round_().clamp_(-nmax, nmax - 1)
+        prods = torch.empty((n, 2) + l.shape[1:])
+        torch.mul(wx[:, None, sl], l, out=prods[:, 0])
+        torch.mul(w[:, None, sl], l, out=prods[:, 1]).mul_(l)
+        sums[:, :, sl] = seq_sum(prods)
     sumlx, suml2 = sums[0], sums[1]
-    scale = torch.where(suml2[0] != 0, safe_div(sumlx[0], suml2[0]), torch.zeros_like(mx))
-    best = scale * sumlx[0]
+    # sequential choice, as C: a trial wins if sumlx² > best·suml2; then scale = sumlx/suml2, best = scale·sumlx
+    sq = sumlx * sumlx
+    scales = safe_div(sumlx, suml2)
+    values = scales * sumlx
+    valid = suml2 > 0
+    best = torch.where(suml2[0] != 0, values[0], torch.zeros_like(mx))
     pick = torch.zeros_like(mx, dtype=torch.int64)
-    for t in range(1, len(numerators)):
-        slx, sl2 = sumlx[t], suml2[t]
-        better = (sl2 > 0) & (slx * slx > best * sl2)
-        pick = torch.where(better, t, pick)
-        scale = torch.where(better, safe_div(slx, sl2), scale)
-        best = torch.where(better, scale * slx, best)
-    levels = l.gather(1, pick.expand(x.shape[0], 1, -1))[:, 0].add_(nmax)
+    for t in range(1, trials):
+        better = valid[t] & (sq[t] > best * suml2[t])
+        pick.masked_fill_(better, t)
+        best = torch.where(better, values[t], best)
+    scale = scales.gather(0, pick[None])[0]
+    scale = torch.where((pick == 0) & (suml2[0] == 0), torch.zeros_like(scale), scale)
+    iscale = iscales.gather(0, pick[None])  # [1, B]
+    levels = torch.mul(x, iscale).round_().clamp_(-nmax, nmax - 1).add_(nmax)
     levels = torch.where(zero, torch.zeros_like(levels), levels)
     return torch.where(zero, torch.zeros_like(scale), scale), levels
 
@@ -154,8 +156,9 @@ def make_qkx_quants(
     rng = torch.where(flat, torch.ones_like(mx), mx - mn)
     iscale = rdiv(float(nmax), rng)
     scale = rdiv(1.0, iscale)
-    L = levels_for(iscale, mn)
-    best = error(scale, mn, L)
+    best = error(scale, mn, levels_for(iscale, mn))
+    # the winning trial's levels are recomputed at the end from its inverse scale and the min it used
+    best_iscale, best_shift = iscale, mn
     for step in range(nstep + 1):
         iscale = c_step(rmin, rdelta, step) + nmax
         iscale = rdiv(c_float(iscale), torch.where(flat, torch.ones_like(mx), mx - mn))
@@ -172,10 +175,12 @@ def make_qkx_quants(
         this_min = torch.where(positive, torch.zeros_like(this_min), this_min)
         cur = error(this_scale, this_min, l)
         better = (D > 0) & (cur < best) & ~flat
-        torch.where(better, l, L, out=L)
+        best_iscale = torch.where(better, iscale, best_iscale)
+        best_shift = torch.where(better, mn, best_shift)
         best = torch.where(better, cur, best)
         scale = torch.where(better, this_scale, scale)
         mn = torch.where(better, this_min, mn)
+    L = levels_for(best_iscale, best_shift)
     L = torch.where(flat, torch.zeros_like(L), L)
     scale = torch.where(flat, torch.zeros_like(scale), scale)
     return scale, -mn, L

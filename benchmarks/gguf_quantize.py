@@ -73,6 +73,15 @@ def job_perplexity(model: str, text: str, chunks: int, threads: int) -> dict:
     return {"perplexity": float(np.exp(nll / count)), "tokens": count}
 
 
+def peak_rss_mb() -> float:
+    """This process's peak RSS: VmHWM, since Linux's ru_maxrss carries over the parent's peak
+    through fork+exec (every job would report at least the driver's RSS)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def run_job(*args: str) -> dict:
     """Run one job in a fresh process; returns its result plus its peak RSS."""
     proc = subprocess.run([sys.executable, __file__, "--job", *args], capture_output=True, text=True, cwd=ROOT)
@@ -126,7 +135,7 @@ def main() -> None:
             result = fn(rest[0], rest[1], rest[2], rest[3] or None, int(rest[4]))
         else:
             result = fn(rest[0], rest[1], int(rest[2]), int(rest[3]))
-        result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        result["peak_rss_mb"] = peak_rss_mb()
         print(json.dumps(result))
         return
 

@@ -38,14 +38,14 @@ def _crumbs(q: torch.Tensor) -> torch.Tensor:
 
 def _high_bits_32(q: torch.Tensor) -> torch.Tensor:
     """Bit 4 of each of a 32-block's levels as the little-endian uint32 `qh` [n, 4] (bit k = level k)."""
-    bits = ((q >> 4) & 1).reshape(-1, 4, 8).numpy()
-    return torch.from_numpy(np.packbits(bits, axis=-1, bitorder="little").reshape(-1, 4))
+    bits = ((q >> 4) & 1).reshape(-1, 4, 8).cpu().numpy()
+    return torch.from_numpy(np.packbits(bits, axis=-1, bitorder="little").reshape(-1, 4)).to(q.device)
 
 
 def _k_scales_6bit(sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """Q4_K/Q5_K: 8 six-bit scales and 8 six-bit mins [n, 8] -> 12 bytes (get_scale_min_k4's layout)."""
     sc, m = _u8(sc), _u8(m)
-    out = torch.empty(sc.shape[0], 12, dtype=torch.uint8)
+    out = torch.empty(sc.shape[0], 12, dtype=torch.uint8, device=sc.device)
     out[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
     out[:, 4:8] = m[:, 0:4] | ((m[:, 4:8] >> 4) << 6)
     out[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
@@ -55,7 +55,7 @@ def _k_scales_6bit(sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 def _q3_scales(stored: torch.Tensor) -> torch.Tensor:
     """Q3_K: 16 six-bit (biased) scales [n, 16] -> 12 bytes: low nibbles in 0..7, high 2 bits in 8..11."""
     s = _u8(stored)
-    out = torch.zeros(s.shape[0], 12, dtype=torch.uint8)
+    out = torch.zeros(s.shape[0], 12, dtype=torch.uint8, device=s.device)
     out[:, 0:8] = (s[:, 0:8] & 0xF) | ((s[:, 8:16] & 0xF) << 4)
     hi = s >> 4  # [n, 16]; byte 8 + j%4 holds bits at 2*(j/4)
     for quarter in range(4):

@@ -51,13 +51,13 @@ def make_qx_quants(x: torch.Tensor, nmax: int, weights: torch.Tensor | None = No
     numerators = [float(nmax)] + [c_step(nmax, 0.1, s) for s in range(-9, 10) if s != 0]
     iscales = torch.stack([rdiv(-v, mx_safe) for v in numerators])  # [T, B]
     trials = len(numerators)
-    sums = torch.empty(2, trials, blocks)  # Σ w·x·l and Σ w·l·l per trial and block
+    sums = torch.empty(2, trials, blocks, device=x.device)  # Σ w·x·l and Σ w·l·l per trial and block
     step = max(1, QX_SLICE_ELEMENTS // (trials * n))
     for s in range(0, blocks, step):
         sl = slice(s, s + step)
         l = torch.mul(x[:, None, sl], iscales[None, :, sl])  # [n, T, b]
         l.round_().clamp_(-nmax, nmax - 1)
-        prods = torch.empty((n, 2) + l.shape[1:])
+        prods = torch.empty((n, 2) + l.shape[1:], device=x.device)
         torch.mul(wx[:, None, sl], l, out=prods[:, 0])
         torch.mul(w[:, None, sl], l, out=prods[:, 1]).mul_(l)
         sums[:, :, sl] = seq_sum(prods)
@@ -139,10 +139,11 @@ def make_qkx_quants(
     mn = torch.where(mn > 0, torch.zeros_like(mn), mn)
     mx = c_max(x)
     flat = mx <= mn
+    active = ~flat
     sum_w = seq_sum(w)
     sum_x = seq_sum(w * x)
     n = x.shape[0]
-    prods = torch.empty((n, 3, x.shape[1]))  # w·l, w·l·l, w·l·x of one trial
+    prods = torch.empty((n, 3, x.shape[1]), device=x.device)  # w·l, w·l·l, w·l·x of one trial
     diff = torch.empty_like(x)
 
     def error(scale: torch.Tensor, minimum: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
@@ -168,13 +169,14 @@ def make_qkx_quants(
         torch.mul(wl, x, out=prods[:, 2])
         sum_l, sum_l2, sum_xl = seq_sum(prods).unbind(0)
         D = sum_w * sum_l2 - sum_l * sum_l
-        this_scale = safe_div(sum_w * sum_xl - sum_x * sum_l, D)
-        this_min = safe_div(sum_l2 * sum_x - sum_l * sum_xl, D)
+        D_safe = torch.where(D == 0, 1.0, D)
+        this_scale = (sum_w * sum_xl - sum_x * sum_l).div_(D_safe)
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl).div_(D_safe)
         positive = this_min > 0
         this_scale = torch.where(positive, safe_div(sum_xl, sum_l2), this_scale)
-        this_min = torch.where(positive, torch.zeros_like(this_min), this_min)
+        this_min = torch.where(positive, 0.0, this_min)
         cur = error(this_scale, this_min, l)
-        better = (D > 0) & (cur < best) & ~flat
+        better = (D > 0).logical_and_(cur < best).logical_and_(active)
         best_iscale = torch.where(better, iscale, best_iscale)
         best_shift = torch.where(better, mn, best_shift)
         best = torch.where(better, cur, best)

@@ -114,6 +114,21 @@ def identical_blocks(a: Path, b: Path) -> dict[str, list[int]]:
     return out
 
 
+def tensor_data_sha256(path: Path) -> str:
+    """sha256 over (name, bytes) of every tensor in name order: equal hashes = identical tensor data
+    (the metadata differs between the tools: llmopt's provenance keys)."""
+    import hashlib
+
+    import gguf
+    import numpy as np
+
+    h = hashlib.sha256()
+    for t in sorted(gguf.GGUFReader(str(path)).tensors, key=lambda t: t.name):
+        h.update(t.name.encode())
+        h.update(np.asarray(t.data).tobytes())
+    return h.hexdigest()
+
+
 def smollm2_hf(work: Path) -> Path:
     from llmopt.formats.hf import write_hf_dir
     from llmopt.model import open_model
@@ -162,7 +177,7 @@ def main() -> None:
     types = [m for m in MIXES if m not in ("F16", "BF16")] if args.types == "all" else args.types.split(",")
     rows, report = [], {"threads": threads, "types": {}, "loadavg_start": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
-        for model in args.models.split(","):
+        for model in [m for m in args.models.split(",") if m]:
             work = Path(tmp) / model
             work.mkdir()
             hf = smollm2_hf(work) if model == "smollm2" else wide_hf(work)
@@ -203,14 +218,16 @@ def bench_model(model: str, hf: Path, work: Path, types: list[str], threads: int
             b = run_job("llama", str(f16), str(theirs), mix, imatrix if weighted else "", str(threads))
             same = identical_blocks(ours, theirs)
             entry = {"llmopt": a, "llama_cpp": b, "bytes": ours.stat().st_size,
-                     "llama_cpp_bytes": theirs.stat().st_size,
+                     "llama_cpp_bytes": theirs.stat().st_size, "tensor_data_sha256": {
+                         "llmopt": tensor_data_sha256(ours), "llama_cpp": tensor_data_sha256(theirs)},
                      "identical_blocks": {k: f"{100 * v[0] / max(v[1], 1):.3f}% of {v[1]}" for k, v in same.items()}}
             if args.perplexity:
                 entry["ppl_llmopt"] = run_job("ppl", str(ours), f"{args.data}/test.txt", str(args.perplexity), str(threads))
                 entry["ppl_llama_cpp"] = run_job("ppl", str(theirs), f"{args.data}/test.txt", str(args.perplexity), str(threads))
             report["types"][f"{model} {tag}"] = entry
             rows.append((model, tag, a["seconds"], b["seconds"], a["peak_rss_mb"], b["peak_rss_mb"], entry["bytes"],
-                         ", ".join(f"{k} {v}" for k, v in entry["identical_blocks"].items()),
+                         ", ".join(f"{k} {v}" for k, v in entry["identical_blocks"].items())
+                         + ("; tensor data sha256 equal" if len(set(entry["tensor_data_sha256"].values())) == 1 else "; sha256 DIFFER"),
                          entry.get("ppl_llmopt", {}).get("perplexity"), entry.get("ppl_llama_cpp", {}).get("perplexity")))
             ours.unlink()
             theirs.unlink()
@@ -257,6 +274,7 @@ def llama7b_peak(folder: Path, threads: int, with_llama: bool) -> dict:
             f16.unlink()
             result["identical_blocks"] = {k: f"{100 * v[0] / max(v[1], 1):.3f}% of {v[1]}"
                                           for k, v in identical_blocks(out, theirs).items()}
+            result["tensor_data_sha256"] = {"llmopt": tensor_data_sha256(out), "llama_cpp": tensor_data_sha256(theirs)}
             theirs.unlink()
         print(json.dumps({"llama7b": result}), file=sys.stderr)
         return result

@@ -20,9 +20,16 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# The main job on the embedded model: GGUF -> fp16 HF dir -> GPTQ 4-bit and GGUF Q4_K_M -> generate.
+# (A smaller calibration set than the defaults keeps the demo to a few minutes on 2 CPU cores.)
 demo: install
 	$(VENV)/bin/llmopt convert "$$($(PY) -m llmopt.model.embedded)" --to hf -o $(DEMO) --force
 	$(VENV)/bin/llmopt inspect $(DEMO)
+	$(VENV)/bin/llmopt quantize $(DEMO) --method gptq --bits 4 --group-size 128 --calib self \
+		--nsamples 32 --seqlen 256 -o $(DEMO)-gptq-4bit --force
+	$(VENV)/bin/llmopt convert $(DEMO) --to gguf --type Q4_K_M -o $(DEMO)-Q4_K_M.gguf --force
+	$(VENV)/bin/llmopt generate $(DEMO)-gptq-4bit --chat -p "What is the capital of France?" -n 48
+	$(VENV)/bin/llmopt generate $(DEMO)-Q4_K_M.gguf --chat -p "What is the capital of France?" -n 48
 
 test: install
 	$(VENV)/bin/pytest

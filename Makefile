@@ -28,8 +28,8 @@ demo: install
 	$(VENV)/bin/llmopt quantize $(DEMO) --method gptq --bits 4 --group-size 128 --calib self \
 		--nsamples 32 --seqlen 256 -o $(DEMO)-gptq-4bit --force
 	$(VENV)/bin/llmopt convert $(DEMO) --to gguf --type Q4_K_M -o $(DEMO)-Q4_K_M.gguf --force
-	$(VENV)/bin/llmopt generate $(DEMO)-gptq-4bit --chat -p "What is the capital of France?" -n 48
-	$(VENV)/bin/llmopt generate $(DEMO)-Q4_K_M.gguf --chat -p "What is the capital of France?" -n 48
+	$(VENV)/bin/llmopt generate $(DEMO)-gptq-4bit -p "The three primary colors are" -n 32
+	$(VENV)/bin/llmopt generate $(DEMO)-Q4_K_M.gguf -p "The three primary colors are" -n 32
 
 test: install
 	$(VENV)/bin/pytest

@@ -51,8 +51,9 @@ def eval_command(
     reference = None
     if ref is not None:
         reference = load_model(ref, dtype, opts.device, packed)
+        sample = text[:20000]  # both tokenizers on the same text (a cut prefix ends differently from the whole)
         if reference.model.arch.vocab_size != target.model.arch.vocab_size or (
-                reference.tokenizer is not None and reference.tokenizer.encode(text[:20000]) != ids[:len(reference.tokenizer.encode(text[:20000]))]):
+                reference.tokenizer is not None and reference.tokenizer.encode(sample) != target.tokenizer.encode(sample)):
             raise InputError(f"--ref {ref}: its tokenizer differs from the model's; KL and top-1 need the same vocabulary")
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),

@@ -88,3 +88,13 @@ def test_existing_output_needs_force(llmopt_cli, tiny_ggufs, tmp_path):
     result = llmopt_cli("convert", tiny_ggufs("llama"), "--to", "hf", "-o", out)
     assert_clean_failure(result, "already exists")
     assert (out / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("make_args, expect", [
+    (lambda model, tmp: ["imatrix", model, "--calib", tmp / "nowhere.txt", "-o", tmp / "im.gguf"], "nowhere.txt"),
+    (lambda model, tmp: ["imatrix", tmp / "missing-model", "--calib", "self", "-o", tmp / "im.gguf"], "no such file"),
+])
+def test_imatrix_bad_input(llmopt_cli, tiny_models, tmp_path, make_args, expect):
+    result = llmopt_cli(*make_args(tiny_models("llama"), tmp_path))
+    assert_clean_failure(result, expect)
+    assert not (tmp_path / "im.gguf").exists() and not list(tmp_path.glob(".im.gguf*"))

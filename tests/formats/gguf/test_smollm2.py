@@ -42,8 +42,10 @@ def answer(path: Path) -> str:
     return out["choices"][0]["message"]["content"]
 
 
-@pytest.mark.parametrize("mix", ["F16", "BF16", "Q8_0", "Q4_0", "Q2_K", "Q4_K_M"])
+@pytest.mark.parametrize("mix", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_S", "Q3_K_M",
+                                 "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K"])
 def test_llama_cpp_loads_and_generates(smol, mix: str) -> None:
+    """Every type and mix, written from the fp16 HF dir, loads in llama.cpp and answers."""
     text = answer(smol(mix))
     assert len(text.split()) >= 3
     if mix in ("F16", "BF16", "Q8_0"):

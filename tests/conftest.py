@@ -17,28 +17,26 @@ def smollm2_gguf() -> Path:
     return locate()
 
 
-@pytest.fixture(scope="session")
-def smollm2_hf(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2 converted by llmopt to an fp16 HF directory: the project's real source model."""
+def _convert_smollm2(gguf: Path, factory: pytest.TempPathFactory, dtype: str, name: str) -> Path:
     from llmopt.formats.hf import write_hf_dir
     from llmopt.model import open_model
 
-    out = tmp_path_factory.mktemp("smollm2") / "smollm2-135m-f16"
-    with open_model(smollm2_gguf) as src:
-        write_hf_dir(src, out, dtype="float16")
+    out = factory.mktemp("smollm2") / name
+    with open_model(gguf) as src:
+        write_hf_dir(src, out, dtype=dtype)
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2 converted by llmopt to an fp16 HF directory: the project's real source model."""
+    return _convert_smollm2(smollm2_gguf, tmp_path_factory, "float16", "smollm2-135m-f16")
 
 
 @pytest.fixture(scope="session")
 def smollm2_hf_f32(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same, in float32 (for exact comparisons against transformers)."""
-    from llmopt.formats.hf import write_hf_dir
-    from llmopt.model import open_model
-
-    out = tmp_path_factory.mktemp("smollm2") / "smollm2-135m-f32"
-    with open_model(smollm2_gguf) as src:
-        write_hf_dir(src, out, dtype="float32")
-    return out
+    return _convert_smollm2(smollm2_gguf, tmp_path_factory, "float32", "smollm2-135m-f32")
 
 
 @pytest.fixture(scope="session")

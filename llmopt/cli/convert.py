@@ -16,7 +16,7 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from llmopt.cli.common import DeviceOpt, JsonOpt, VerboseOpt, emit_json, err, human_bytes, out, settings
+from llmopt.cli.common import DeviceOpt, ForceOpt, ShardSizeOpt, JsonOpt, VerboseOpt, emit_json, err, human_bytes, out, settings
 from llmopt.errors import InputError
 from llmopt.formats.gguf.mixes import MIXES
 from llmopt.formats.hf import DTYPES, output_bytes, parse_size, write_hf_dir
@@ -45,8 +45,8 @@ def convert_command(
     tensor_type: Annotated[Optional[list[str]], typer.Option("--tensor-type", help="REGEX=TYPE override (repeatable).")] = None,
     output_tensor_type: Annotated[Optional[str], typer.Option("--output-tensor-type", help="Type of output.weight.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="GGUF: print the per-tensor plan and exact size only.")] = False,
-    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest safetensors shard, e.g. 5GB, 500MB.")] = "5GB",
-    force: Annotated[bool, typer.Option("--force", help="Replace the output if it exists.")] = False,
+    max_shard_size: ShardSizeOpt = "5GB",
+    force: ForceOpt = False,
     json_out: JsonOpt = False,
     device: DeviceOpt = None,
     verbose: VerboseOpt = 0,

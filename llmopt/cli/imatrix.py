@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from llmopt.cli.common import DeviceOpt, JsonOpt, VerboseOpt, emit_json, err, out, settings
+from llmopt.cli.common import DeviceOpt, ForceOpt, JsonOpt, VerboseOpt, emit_json, err, out, settings
 from llmopt.device import resolve_device
 from llmopt.errors import InputError
 from llmopt.model import open_model
@@ -24,7 +24,7 @@ def imatrix_command(
     ctx_size: Annotated[int, typer.Option("--ctx-size", "-c", help="Tokens per chunk (llama-imatrix's -c).")] = 512,
     field: Annotated[Optional[str], typer.Option("--field", help="Text field of .jsonl/.parquet records.")] = None,
     output_format: Annotated[str, typer.Option("--output-format", help="gguf (default) or dat (legacy).")] = "gguf",
-    force: Annotated[bool, typer.Option("--force", help="Replace the output if it exists.")] = False,
+    force: ForceOpt = False,
     json_out: JsonOpt = False,
     device: DeviceOpt = None,
     verbose: VerboseOpt = 0,

@@ -17,7 +17,7 @@ from rich.table import Table
 from llmopt.calibration.samples import CalibConfig, calibration_tokens
 from llmopt.calibration.self_text import generate_samples, tokens_sha256
 from llmopt.calibration.text import SELF, read_texts
-from llmopt.cli.common import DeviceOpt, JsonOpt, VerboseOpt, emit_json, err, out, settings
+from llmopt.cli.common import DeviceOpt, ForceOpt, ShardSizeOpt, JsonOpt, VerboseOpt, emit_json, err, out, settings
 from llmopt.device import resolve_device
 from llmopt.errors import InputError
 from llmopt.formats.atomic import atomic_output_file
@@ -61,8 +61,8 @@ def quantize_command(
     quantize_head: Annotated[bool, typer.Option("--quantize-head", help="Quantize the LM head too (embeddings and norms never are).")] = False,
     report: Annotated[Optional[Path], typer.Option("--report", help="Write per-layer error metrics as JSON to this file.")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Calibration samples per forward pass.")] = 8,
-    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest safetensors shard, e.g. 5GB, 500MB.")] = "5GB",
-    force: Annotated[bool, typer.Option("--force", help="Replace the output if it exists.")] = False,
+    max_shard_size: ShardSizeOpt = "5GB",
+    force: ForceOpt = False,
     json_out: JsonOpt = False,
     device: DeviceOpt = None,
     verbose: VerboseOpt = 0,

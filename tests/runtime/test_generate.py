@@ -130,11 +130,30 @@ def test_row_major_layout_gives_same_logits(tiny_models):
     from llmopt.runtime.row_major import RowMajorLinear, TiedEmbedding, use_row_major_linears
 
     for family, tie in (("qwen2", True), ("llama", False)):
-        with open_model(tiny_models(family, tie)) as src:
-            plain = Decoder.from_source(src)
-            fast = use_row_major_linears(Decoder.from_source(src))
-        assert isinstance(fast.layers[0].self_attn.q_proj, RowMajorLinear)
-        assert isinstance(fast.embed_tokens, TiedEmbedding) == tie
-        ids = torch.randint(0, 300, (1, 17), generator=torch.Generator().manual_seed(3))
-        with torch.no_grad():
-            assert (plain(ids) - fast(ids)).abs().max().item() < 1e-5
+        for width in (6144, 64):  # 64: the head (and wider linears) split into slabs
+            with open_model(tiny_models(family, tie)) as src:
+                plain = Decoder.from_source(src)
+                fast = use_row_major_linears(Decoder.from_source(src), width)
+            assert isinstance(fast.layers[0].self_attn.q_proj, RowMajorLinear)
+            assert isinstance(fast.embed_tokens, TiedEmbedding) == tie
+            assert (fast.lm_head.weight_t.shape[0] > 1) == (width == 64)
+            ids = torch.randint(0, 300, (1, 17), generator=torch.Generator().manual_seed(3))
+            with torch.no_grad():
+                assert (plain(ids) - fast(ids)).abs().max().item() < 1e-5
+
+
+def test_row_major_slabs_pad_an_output_count_with_no_even_split():
+    """97 outputs (prime) in slabs of at most 10: the last slab is padded, the result is the same."""
+    import torch
+
+    from llmopt.runtime.row_major import RowMajorLinear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(16, 97, bias=True)
+    fast = RowMajorLinear(linear, width=10)
+    assert fast.weight_t.shape == (10, 16, 10)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        assert (fast(x) - linear(x)).abs().max().item() < 1e-5
+        ids = torch.tensor([[0, 9, 10, 96]])
+        assert torch.equal(fast.column(ids), linear.weight[ids])

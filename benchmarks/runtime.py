@@ -76,8 +76,9 @@ def best(runs):
     return max(runs, key=lambda r: r["tokens_per_s"])
 
 
-def roofline_8b(device, new_tokens=128):
-    """Batch-1 decode of a Llama-3-8B-shaped model, random bf16 weights, vs HBM bandwidth."""
+def roofline_8b(device, new_tokens=128, compile=False):
+    """Batch-1 decode of a Llama-3-8B-shaped model, random bf16 weights, vs HBM bandwidth
+    (`compile`: the torch.compile'd fixed-shape step, recorded as a CUDA graph)."""
     from llmopt.model.arch import ArchSpec
     from llmopt.model.decoder import Decoder, Rotary
     from llmopt.model.families import family_for_hf
@@ -94,9 +95,9 @@ def roofline_8b(device, new_tokens=128):
         model.rotary = Rotary(arch).to(device)
     model.eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - model.embed_tokens.weight.nbytes
-    gen = Generator(model, None, eos=set())
+    gen = Generator(model, None, eos=set(), compile=compile)
     ids = list(range(1, 33))
-    gen.generate(ids, 8, ignore_eos=True)  # warm-up
+    gen.generate(ids, 8, ignore_eos=True)  # warm-up (and compile)
     r = gen.generate(ids, new_tokens, ignore_eos=True)
     props = torch.cuda.get_device_properties(device)
     # peak bandwidth from the memory clock (kHz) and bus width (bits), DDR: 2 transfers per clock
@@ -199,6 +200,7 @@ def main() -> None:
 
     if device.type == "cuda":
         results["llama3_8b_shape_bf16"] = roofline_8b(device)
+        results["llama3_8b_shape_bf16_compiled"] = roofline_8b(device, compile=True)
 
     d = results["decode"]
     print(f"{'engine':<28}{'TTFT ms':>10}{'decode tok/s':>14}")
@@ -212,9 +214,11 @@ def main() -> None:
               f"= {pl['speedup']}x, acceptance {pl['acceptance_rate']}, same text: {pl['same_text']}")
     for mode, r in results.get("gptq", {}).items():
         print(f"GPTQ 4-bit, {mode}: {r['tokens_per_s']} tok/s")
-    if "llama3_8b_shape_bf16" in results:
-        r = results["llama3_8b_shape_bf16"]
-        print(f"Llama-3-8B shape bf16: {r['tokens_per_s']:.1f} tok/s, {r['achieved_gb_s']:.0f} GB/s of {r['peak_gb_s']} GB/s")
+    for key, label in (("llama3_8b_shape_bf16", "eager"), ("llama3_8b_shape_bf16_compiled", "compiled")):
+        if key in results:
+            r = results[key]
+            print(f"Llama-3-8B shape bf16, {label}: {r['tokens_per_s']:.1f} tok/s, {r['achieved_gb_s']:.0f} GB/s of "
+                  f"{r['peak_gb_s']} GB/s = {100 * (r['fraction_of_roofline'] or 0):.1f}% of roofline")
     print(json.dumps(results))
 
 

@@ -62,8 +62,9 @@ def decode_vs_transformers(tmp: Path) -> None:
 def roofline() -> None:
     from benchmarks.runtime import roofline_8b
 
-    report("roofline_llama3_8b_shaped_bf16", {k: (round(v, 3) if isinstance(v, float) else v)
-                                              for k, v in roofline_8b(torch.device("cuda")).items()})
+    for compile in (False, True):
+        report(f"roofline_llama3_8b_shaped_bf16{'_compiled' if compile else ''}",
+               {k: (round(v, 3) if isinstance(v, float) else v) for k, v in roofline_8b(torch.device("cuda"), compile=compile).items()})
 
 
 def gptq_cuda_vs_cpu(tmp: Path) -> None:

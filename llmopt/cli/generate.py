@@ -60,6 +60,8 @@ def generate_command(
     packed: PackedOpt = True,
     dtype: DTypeOpt = "auto",
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Prompt tokens per prefill forward pass.")] = 512,
+    compile_step: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step (CUDA graphs on GPU). "
+                                               "Compiling takes about a minute; it pays off on GPU, not on CPU.")] = False,
     json_out: JsonOpt = False,
     device: DeviceOpt = None,
     verbose: VerboseOpt = 0,
@@ -94,7 +96,7 @@ def generate_command(
     elif prompt_lookup:
         drafter = PromptLookup(prompt_lookup)
 
-    gen = Generator(target.model, tok, drafter, num_draft, prefill_chunk)
+    gen = Generator(target.model, tok, drafter, num_draft, prefill_chunk, compile=compile_step)
     on_text = None if opts.json else (lambda piece: out.print(piece, end="", markup=False, highlight=False, soft_wrap=True))
     result = gen.generate(ids, max_tokens, sampling, stop or [], seed, ignore_eos, on_text)
     if opts.json:

@@ -15,6 +15,7 @@ import torch
 from llmopt.errors import InputError
 from llmopt.model.decoder import Decoder
 from llmopt.model.tokenizer import TokenizerInfo
+from llmopt.runtime.compiled import CompiledDecoder
 from llmopt.runtime.kv_cache import StaticKVCache
 from llmopt.runtime.sampling import SamplingConfig, apply_repetition_penalty, next_token, probabilities
 from llmopt.runtime.speculative import Drafter, one_hot_rows, verify
@@ -70,7 +71,7 @@ class Generator:
     """Runs `model` on one prompt at a time, optionally with a drafter for speculative decoding."""
 
     def __init__(self, model: Decoder, tokenizer: TokenizerInfo | None = None, drafter: Drafter | None = None,
-                 num_draft: int = 4, prefill_chunk: int = 512, eos: set[int] | None = None):
+                 num_draft: int = 4, prefill_chunk: int = 512, eos: set[int] | None = None, compile: bool = False):
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -79,6 +80,8 @@ class Generator:
         self.eos = eos_ids(tokenizer) if eos is None else eos
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        # `compile`: plain decode steps run a torch.compile'd fixed-shape step (CUDA graphs on GPU)
+        self.compiled = CompiledDecoder(model, "reduce-overhead" if self.device.type == "cuda" else None) if compile else None
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
@@ -101,7 +104,10 @@ class Generator:
             raise InputError("--stop needs a tokenizer to read the text, and this model has none")
         speculative = self.drafter is not None and self.num_draft > 0
         max_len = len(prompt_ids) + max_tokens + (self.num_draft + 1 if speculative else 1)
-        cache = StaticKVCache(self.model.arch, max_len, 1, self.dtype, self.device)
+        if self.compiled is not None:
+            cache = self.compiled.cache_for(max_len)
+        else:
+            cache = StaticKVCache(self.model.arch, max_len, 1, self.dtype, self.device)
         generator = torch.Generator(self.device)
         generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ())))
         stream = TextStream(self.tokenizer, stop) if self.tokenizer is not None else None
@@ -167,7 +173,10 @@ class Generator:
     def _plain_step(self, ids: list[int], cache: StaticKVCache, sampling: SamplingConfig,
                     generator: torch.Generator, metrics: Metrics) -> list[int]:
         """One forward pass of the last token, one new token."""
-        logits = self.model(torch.tensor([[ids[-1]]], device=self.device), len(ids) - 1, cache)[0, -1]
+        if self.compiled is not None:
+            logits = self.compiled(ids[-1], len(ids) - 1)
+        else:
+            logits = self.model(torch.tensor([[ids[-1]]], device=self.device), len(ids) - 1, cache)[0, -1]
         metrics.target_forwards += 1
         return [next_token(logits, sampling, self._history(ids, sampling), generator)]
 

@@ -78,13 +78,22 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(arch.hidden_size, self.n_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(arch.hidden_size, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, arch.hidden_size, bias=False)
+        self.qkv: nn.Module | None = None  # q, k, v as one linear, when the runtime fuses them (row_major.py)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v projections of x (one matrix product when fused)."""
+        if self.qkv is not None:
+            kv = self.n_kv * self.head_dim
+            return self.qkv(x).split((self.n_heads * self.head_dim, kv, kv), dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int = 0,
                 cache: KVCache | None = None) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k, v = self.project(x)
+        q = q.reshape(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         if cache is not None:
@@ -141,9 +150,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
         self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up: nn.Module | None = None  # gate and up as one linear, when the runtime fuses them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):

@@ -46,9 +46,10 @@ class StaticDecodeStep(nn.Module):
         for i, block in enumerate(m.layers):
             attn = block.self_attn
             h = block.input_layernorm(x)
-            q = attn.q_proj(h).view(1, 1, attn.n_heads, attn.head_dim).transpose(1, 2)
-            k = attn.k_proj(h).view(1, 1, attn.n_kv, attn.head_dim).transpose(1, 2)
-            v = attn.v_proj(h).view(1, 1, attn.n_kv, attn.head_dim).transpose(1, 2)
+            q, k, v = attn.project(h)
+            q = q.reshape(1, 1, attn.n_heads, attn.head_dim).transpose(1, 2)
+            k = k.reshape(1, 1, attn.n_kv, attn.head_dim).transpose(1, 2)
+            v = v.reshape(1, 1, attn.n_kv, attn.head_dim).transpose(1, 2)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             self.k[i].index_copy_(2, pos, k)

@@ -10,6 +10,10 @@ because the output row being accumulated no longer stays in the first-level cach
 stored as `chunks` slabs of W^T side by side ([chunks, in, width], width <= CHUNK_WIDTH) and
 multiplied as one batched product. With tied embeddings the LM head's weight also serves the
 embedding lookup, so nothing is stored twice.
+
+Linears that read the same input are fused: q/k/v into one product and gate/up into another.
+Fewer, larger matrix-vector products stream the same bytes with less per-call cost: SmolLM2's 210
+per-layer products took 23.1 ms a token, the 120 fused ones 18.5 ms (2 threads, same weights).
 """
 
 from __future__ import annotations
@@ -47,6 +51,20 @@ class RowMajorLinear(nn.Module):
                                      requires_grad=False)
         self.bias = linear.bias
 
+    @classmethod
+    def stacked(cls, linears: list[nn.Linear], width: int = CHUNK_WIDTH) -> RowMajorLinear:
+        """One linear computing all of `linears` (same input) side by side in its output."""
+        bias = None
+        if any(lin.bias is not None for lin in linears):
+            bias = torch.cat([lin.bias.detach() if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
+                              for lin in linears])
+        fused = nn.Linear(linears[0].in_features, sum(lin.out_features for lin in linears), bias=bias is not None,
+                          device="meta")
+        fused.weight = nn.Parameter(torch.cat([lin.weight.detach() for lin in linears]), requires_grad=False)
+        if bias is not None:
+            fused.bias = nn.Parameter(bias, requires_grad=False)
+        return cls(fused, width)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_t.shape[0] == 1:
             y = x @ self.weight_t[0]
@@ -73,9 +91,18 @@ class TiedEmbedding(nn.Module):
 
 
 def use_row_major_linears(model: Decoder, width: int = CHUNK_WIDTH) -> Decoder:
-    """Swap every float nn.Linear of `model` for a RowMajorLinear (in place), sharing tied weights."""
+    """Swap every float nn.Linear of `model` for a RowMajorLinear (in place), sharing tied weights,
+    with q/k/v and gate/up fused where all of them are float linears."""
     tied = model.lm_head.weight is model.embed_tokens.weight or (
         model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr())
+    for block in model.layers:
+        attn, mlp = block.self_attn, block.mlp
+        if all(isinstance(m, nn.Linear) for m in (attn.q_proj, attn.k_proj, attn.v_proj)):
+            attn.qkv = RowMajorLinear.stacked([attn.q_proj, attn.k_proj, attn.v_proj], width)
+            del attn.q_proj, attn.k_proj, attn.v_proj
+        if all(isinstance(m, nn.Linear) for m in (mlp.gate_proj, mlp.up_proj)):
+            mlp.gate_up = RowMajorLinear.stacked([mlp.gate_proj, mlp.up_proj], width)
+            del mlp.gate_proj, mlp.up_proj
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear):
             parent, _, child = name.rpartition(".")

@@ -134,7 +134,8 @@ def test_row_major_layout_gives_same_logits(tiny_models):
             with open_model(tiny_models(family, tie)) as src:
                 plain = Decoder.from_source(src)
                 fast = use_row_major_linears(Decoder.from_source(src), width)
-            assert isinstance(fast.layers[0].self_attn.q_proj, RowMajorLinear)
+            assert isinstance(fast.layers[0].self_attn.qkv, RowMajorLinear)  # q/k/v fused
+            assert isinstance(fast.layers[0].mlp.gate_up, RowMajorLinear) and not hasattr(fast.layers[0].mlp, "up_proj")
             assert isinstance(fast.embed_tokens, TiedEmbedding) == tie
             assert (fast.lm_head.weight_t.shape[0] > 1) == (width == 64)
             ids = torch.randint(0, 300, (1, 17), generator=torch.Generator().manual_seed(3))
@@ -157,3 +158,24 @@ def test_row_major_slabs_pad_an_output_count_with_no_even_split():
         assert (fast(x) - linear(x)).abs().max().item() < 1e-5
         ids = torch.tensor([[0, 9, 10, 96]])
         assert torch.equal(fast.column(ids), linear.weight[ids])
+
+
+def test_contiguous_weights_give_same_logits(tiny_models):
+    """arena.py: every float weight moves into one block (tied weights stay one tensor); same function."""
+    import torch
+
+    from llmopt.model import open_model
+    from llmopt.model.decoder import Decoder
+    from llmopt.runtime.arena import pack_contiguously
+    from llmopt.runtime.row_major import use_row_major_linears
+
+    for family, tie in (("qwen2", True), ("llama", False)):
+        with open_model(tiny_models(family, tie)) as src:
+            plain = Decoder.from_source(src)
+            fast = use_row_major_linears(Decoder.from_source(src))
+        nbytes = pack_contiguously(fast)
+        storages = {p.untyped_storage().data_ptr() for p in fast.parameters()}
+        assert len(storages) == 1 and nbytes >= sum(p.nbytes for p in fast.parameters())
+        ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            assert (plain(ids) - fast(ids)).abs().max().item() < 1e-5

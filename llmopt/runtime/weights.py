@@ -15,6 +15,7 @@ from llmopt.errors import InputError
 from llmopt.model import ModelSource, TokenizerInfo, open_model
 from llmopt.model.decoder import Decoder, Rotary, hf_to_param_name
 from llmopt.model.gptq_dir import GPTQDirSource, GPTQParts
+from llmopt.runtime.arena import pack_contiguously
 from llmopt.runtime.int4 import PackedInt4Linear, packable
 from llmopt.runtime.row_major import use_row_major_linears
 
@@ -53,7 +54,8 @@ def load_model(spec: str, dtype: str = "auto", device: str = "auto", packed: boo
 def build_decoder(source: ModelSource, dtype: torch.dtype, device: torch.device, packed: bool = True) -> Decoder:
     """Float and GGUF sources: dequantized into the dtype. GPTQ: 4-bit layers stay packed where the
     int4 kernel applies (`packed`), the rest is dequantized layer by layer. On CPU, float linears
-    take the row-major layout that streams weights fastest (see row_major.py)."""
+    take the row-major layout that streams weights fastest (see row_major.py), and the weights then
+    move into one contiguous block (arena.py)."""
     if isinstance(source, GPTQDirSource):
         model = _gptq_decoder(source, dtype, device, packed)
     elif source.quantization_config:
@@ -61,7 +63,11 @@ def build_decoder(source: ModelSource, dtype: torch.dtype, device: torch.device,
         raise InputError(f"{source.path}: {method} checkpoints are not supported by the runtime")
     else:
         model = Decoder.from_source(source, dtype, device)
-    return use_row_major_linears(model) if device.type == "cpu" else model
+    if device.type != "cpu":
+        return model
+    model = use_row_major_linears(model)
+    pack_contiguously(model)
+    return model
 
 
 def _gptq_decoder(source: GPTQDirSource, dtype: torch.dtype, device: torch.device, packed: bool) -> Decoder:

@@ -13,6 +13,15 @@ Implementation notes (our own, following the paper's algorithm):
   groups contiguous under act-order.
 - `act_order` (desc_act) processes columns by decreasing H_ii; without static groups, groups are
   formed in that order and `g_idx` records each input column's group.
+- `fp_target` (GPTAQ, Li et al. 2025): the layer should reproduce the full-precision model's output
+  W·X_fp, not W·X with its own (already quantization-distorted) inputs X. The least-squares weights
+  for that target are W + W·C·H⁻¹ with C = 2/N Σ (x_fp - x) xᵀ; minimising ‖(Q - W*)X‖ is the same
+  problem up to a constant, so GPTQ runs unchanged on W* = W + α·W·C·H⁻¹ (α = `fp_target`; the
+  paper uses 0.25 in its sequential form).
+- `refit_scales` (ours): once the codes are fixed, each row's group scales are re-solved by least
+  squares on the same objective GPTQ minimises, (w - ŵ) H (w - ŵ)ᵀ with ŵ_j = s_g (q_j - z_g), which
+  is linear in the scales. The min/max (or clipped) scales chosen before the column updates are
+  rarely the best ones for the codes GPTQ ends up with.
 """
 
 from __future__ import annotations
@@ -39,6 +48,9 @@ class GPTQConfig:
     damp_step: float = 0.01  # added to `damp` each time Cholesky fails
     block_size: int = 128
     mse: bool = False  # clipping search when choosing group parameters
+    mse_weighted: bool = True  # weight the clipping search's column errors by diag H (activation energy)
+    refit_scales: bool = False  # re-solve the scales for the final codes (least squares, see above)
+    fp_target: float = 0.0  # GPTAQ's α: > 0 pulls the layer toward the full-precision model's output
     zero_min: int = 0  # 1 for GPTQ v1 checkpoints (see int_grid)
 
     def grid(self) -> IntGrid:
@@ -74,8 +86,10 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float, damp_step: float, name:
         damp = damp + damp_step
 
 
-def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, name: str = "") -> GPTQResult:
-    """Quantize `weight` [out, in] given the input Hessian [in, in] (float32, any scale)."""
+def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, name: str = "",
+                  cross: torch.Tensor | None = None) -> GPTQResult:
+    """Quantize `weight` [out, in] given the input Hessian [in, in] (float32, any scale) and, for
+    `fp_target`, GPTAQ's cross term 2/N Σ (x_fp - x) xᵀ on the same scale."""
     grid = cfg.grid()
     w = weight.to(device=hessian.device, dtype=torch.float32).clone()
     h = hessian.to(torch.float32).clone()
@@ -86,16 +100,24 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, 
     dead = torch.diag(h) == 0
     h[dead, dead] = 1
     w[:, dead] = 0
+    if cfg.fp_target > 0 and cross is not None:
+        c = cross.to(device=w.device, dtype=torch.float32).clone()
+        c[:, dead] = 0
+        damped = h + cfg.damp * float(torch.diag(h).mean()) * torch.eye(cols, device=w.device)
+        w = w + cfg.fp_target * (w @ torch.linalg.solve(damped, c.t()).t())  # W + α W C H⁻¹ (H symmetric)
+        w[:, dead] = 0
+    target, h_orig = (w.clone(), h.clone()) if cfg.refit_scales else (None, None)
 
     static: tuple[torch.Tensor, torch.Tensor] | None = None
     if cfg.static_groups or cfg.group_size <= 0:
-        static = _group_params(grid, w, gs, n_groups)
+        static = _group_params(grid, w, gs, n_groups, torch.diag(h) if cfg.mse and cfg.mse_weighted else None)
 
     perm = torch.argsort(torch.diag(h), descending=True) if cfg.act_order else None
     if perm is not None:
         w = w[:, perm]
         h = h[perm][:, perm]
     hinv, damp = inverse_hessian_factor(h, cfg.damp, cfg.damp_step, name)
+    energy = torch.diag(h).clone() if cfg.mse and cfg.mse_weighted else None  # in processing order
 
     codes = torch.zeros(rows, cols, dtype=torch.uint8, device=w.device)
     scales = torch.zeros(rows, n_groups, dtype=torch.float32, device=w.device)
@@ -123,7 +145,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, 
                 if c % gs == 0:  # a new group starts here: its parameters from the current weights
                     end = min(c + gs, cols)
                     current = w_blk[:, i:] if end <= b1 else torch.cat([w_blk[:, i:], w[:, b1:end]], dim=1)
-                    scale, zero = grid.params(current[:, : end - c])
+                    scale, zero = grid.params(current[:, : end - c], None if energy is None else energy[c:end])
                     scales[:, g], zeros[:, g] = scale, zero
             else:
                 scale, zero = scales[:, g], zeros[:, g]
@@ -143,15 +165,49 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, 
         codes = codes[:, inv]
         if static is None:
             g_idx = col_group[inv].to(torch.int32)  # groups were formed in processing order
+    if target is not None:
+        groups = g_idx.long() if g_idx is not None else torch.arange(cols, device=w.device) // gs
+        damped = h_orig + damp * float(torch.diag(h_orig).mean()) * torch.eye(cols, device=w.device)
+        scales = refit_scales(target, codes, zeros, groups, scales, damped)
     qt = QuantizedTensor(codes=codes, scales=scales, bits=cfg.bits, group_size=cfg.group_size,
                          zeros=None if cfg.sym else zeros.to(torch.int32), g_idx=g_idx, grid="int")
     return GPTQResult(qt, loss.cpu(), damp)
 
 
-def _group_params(grid: IntGrid, w: torch.Tensor, gs: int, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+def refit_scales(w: torch.Tensor, codes: torch.Tensor, zeros: torch.Tensor, groups: torch.Tensor,
+                 scales: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """Per row, the group scales s minimising (w - ŵ) H (w - ŵ)ᵀ, ŵ_j = s_g(j) · (q_j - z_g(j)).
+
+    The normal equations are A s = b with A[g, g'] = Σ_{j∈g, k∈g'} d_j H_jk d_k and
+    b[g] = Σ_{j∈g} d_j (H w)_j, where d = q - z; solved for all rows at once. Groups whose codes
+    all sit on the zero point (d = 0) keep their scale; results are stored as float16 like the rest.
+    """
+    rows, cols = w.shape
+    n_groups = scales.shape[1]
+    member = torch.nn.functional.one_hot(groups, n_groups).to(w.dtype)  # [cols, G]
+    d = codes.to(w.dtype) - zeros[:, groups]  # [rows, cols]
+    a = torch.empty(rows, n_groups, n_groups, dtype=w.dtype, device=w.device)
+    for g in range(n_groups):
+        cols_g = groups == g
+        hd = d[:, cols_g] @ h[cols_g]  # [rows, cols]: (H diag(d) 1_g) per row
+        a[:, :, g] = (d * hd) @ member
+    b = (d * (w @ h)) @ member  # [rows, G]
+    empty = torch.diagonal(a, dim1=1, dim2=2) <= 0
+    eye = torch.eye(n_groups, dtype=w.dtype, device=w.device)
+    a = torch.where(empty.unsqueeze(1) | empty.unsqueeze(2), eye * empty.unsqueeze(2), a)  # decouple empty groups
+    b = torch.where(empty, scales, b)
+    solved = torch.linalg.solve(a + 1e-9 * eye * torch.diagonal(a, dim1=1, dim2=2).mean(-1, keepdim=True).unsqueeze(-1), b)
+    ok = torch.isfinite(solved) & (solved > 0)
+    solved = torch.where(ok, solved, scales).to(torch.float16).to(torch.float32)
+    return torch.where(solved > 0, solved, scales)
+
+
+def _group_params(grid: IntGrid, w: torch.Tensor, gs: int, n_groups: int,
+                  energy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = w.shape
     scales = torch.empty(rows, n_groups, dtype=torch.float32, device=w.device)
     zeros = torch.empty_like(scales)
     for g in range(n_groups):
-        scales[:, g], zeros[:, g] = grid.params(w[:, g * gs: (g + 1) * gs])
+        cols_g = slice(g * gs, (g + 1) * gs)
+        scales[:, g], zeros[:, g] = grid.params(w[:, cols_g], None if energy is None else energy[cols_g])
     return scales, zeros

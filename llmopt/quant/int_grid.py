@@ -31,8 +31,9 @@ class IntGrid:
     def maxq(self) -> int:
         return (1 << self.bits) - 1
 
-    def params(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scale and zero point per row of `w` [rows, cols] (float32 [rows] each; zero is integer-valued)."""
+    def params(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scale and zero point per row of `w` [rows, cols] (float32 [rows] each; zero is integer-valued).
+        `importance` [cols] weights each column's error in the clipping search (GPTQ passes diag H)."""
         w = w.to(torch.float32)
         lo = w.min(dim=1).values.clamp(max=0)
         hi = w.max(dim=1).values.clamp(min=0)
@@ -43,7 +44,8 @@ class IntGrid:
         for i in range(int(self.mse_max_shrink * self.mse_grid)):
             p = 1 - i / self.mse_grid
             s, z = self._range_params(lo * p, hi * p)
-            err = (self.fake_quantize(w, s, z) - w).abs().pow(self.mse_norm).sum(dim=1)
+            err = (self.fake_quantize(w, s, z) - w).abs().pow(self.mse_norm)
+            err = (err if importance is None else err * importance).sum(dim=1)
             better = err < best
             best = torch.where(better, err, best)
             scale = torch.where(better, s, scale)

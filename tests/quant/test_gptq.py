@@ -89,3 +89,36 @@ def test_loss_is_sum_of_row_losses() -> None:
     r = gptq_quantize(w, h, GPTQConfig(3, 64))
     assert r.row_loss.shape == (96,) and r.loss == pytest.approx(float(r.row_loss.sum()))
     assert r.loss > 0
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("sym", [True, False])
+def test_refit_scales_keeps_codes_and_lowers_the_objective(act_order: bool, sym: bool) -> None:
+    """Re-solving the scales for GPTQ's final codes lowers (w - ŵ) H (w - ŵ)ᵀ; codes and zeros stay."""
+    w, x, h = _problem()
+    base = GPTQConfig(4, 64, sym, act_order=act_order, zero_min=1)
+    plain = gptq_quantize(w, h, base).tensor
+    refit = gptq_quantize(w, h, GPTQConfig(4, 64, sym, act_order=act_order, zero_min=1, refit_scales=True)).tensor
+    assert torch.equal(plain.codes, refit.codes)
+    assert plain.zeros is None and refit.zeros is None if sym else torch.equal(plain.zeros, refit.zeros)
+    assert torch.equal(refit.scales, refit.scales.half().float())  # stored as float16
+    assert _out_err(x, w, refit.dequantize()) < 0.99 * _out_err(x, w, plain.dequantize())
+
+
+def test_fp_target_matches_the_full_precision_output() -> None:
+    """GPTAQ: when the layer's inputs are distorted (x) but the model should give W·x_fp, quantizing
+    toward W* = W + W·C·H⁻¹ reproduces W·x_fp better than GPTQ on W with the same H."""
+    w, x_fp, _ = _problem()
+    g = torch.Generator().manual_seed(5)
+    x = x_fp + 0.3 * torch.randn(x_fp.shape, generator=g) * x_fp.std(0)  # what upstream quantization feeds it
+    acc = HessianAccumulator(x.shape[1], cross=True)
+    for a, b in zip(x.split(500), x_fp.split(500)):
+        acc.add(a, b)
+    target = x_fp @ w.t()
+
+    def err(cfg):
+        q = gptq_quantize(w, acc.value(), cfg, cross=acc.cross).tensor.dequantize()
+        return float(((x @ q.t() - target) ** 2).mean())
+
+    plain, aq = err(GPTQConfig(4, 64, False)), err(GPTQConfig(4, 64, False, fp_target=1.0))
+    assert aq < 0.9 * plain

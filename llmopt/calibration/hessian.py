@@ -2,6 +2,10 @@
 
 Accumulated in float32 as a running mean so its scale does not grow with the token count; the
 outer products are formed chunk by chunk (one matmul per batch of tokens).
+
+With `cross=True` it also accumulates GPTAQ's asymmetry term 2/N · Σ (x_fp - x) xᵀ, where x_fp is
+what the same linear receives in the full-precision model and x what it receives in the model being
+quantized (Li et al. 2025, "GPTAQ: Efficient Finetuning-Free Quantization for Asymmetric Calibration").
 """
 
 from __future__ import annotations
@@ -12,11 +16,12 @@ import torch
 class HessianAccumulator:
     """Running 2/N · XᵀX for one input width; feed it activations of any leading shape."""
 
-    def __init__(self, features: int, device: torch.device | str = "cpu"):
+    def __init__(self, features: int, device: torch.device | str = "cpu", cross: bool = False):
         self.h = torch.zeros(features, features, dtype=torch.float32, device=device)
+        self.cross = torch.zeros_like(self.h) if cross else None
         self.tokens = 0
 
-    def add(self, x: torch.Tensor) -> None:
+    def add(self, x: torch.Tensor, x_fp: torch.Tensor | None = None) -> None:
         x = x.reshape(-1, x.shape[-1]).to(device=self.h.device, dtype=torch.float32)
         n = x.shape[0]
         if n == 0:
@@ -24,6 +29,12 @@ class HessianAccumulator:
         total = self.tokens + n
         self.h.mul_(self.tokens / total)
         self.h.addmm_(x.t(), x, alpha=2.0 / total)
+        if self.cross is not None:
+            if x_fp is None:
+                raise ValueError("this accumulator also needs the full-precision model's inputs")
+            dx = x_fp.reshape(-1, x.shape[-1]).to(device=self.h.device, dtype=torch.float32) - x
+            self.cross.mul_(self.tokens / total)
+            self.cross.addmm_(dx.t(), x, alpha=2.0 / total)
         self.tokens = total
 
     def value(self) -> torch.Tensor:

@@ -52,6 +52,8 @@ def quantize_command(
     static_groups: Annotated[bool, typer.Option("--static-groups", help="GPTQ: choose group scales before quantizing (keeps groups contiguous under --act-order).")] = False,
     damp: Annotated[float, typer.Option("--damp", help="GPTQ: dampening, a fraction of the mean Hessian diagonal (raised automatically if needed).")] = 0.01,
     mse: Annotated[bool, typer.Option("--mse", help="Search a clipping range per group instead of min/max.")] = False,
+    refit_scales: Annotated[bool, typer.Option("--refit-scales", help="GPTQ: re-solve each group's scale for the final codes (least squares on the layer's output error).")] = False,
+    gptaq: Annotated[float, typer.Option("--gptaq", help="GPTQ: pull each layer toward the full-precision model's output (GPTAQ / GPTQ v2), strength in (0, 1]; 0 = off.")] = 0.0,
     calib: Annotated[Optional[str], typer.Option("--calib", help="Calibration text: a .txt/.jsonl/.parquet file, a preset (wikitext2, c4, pileval; online), or 'self' (model-generated, the default).")] = None,
     calib_field: Annotated[Optional[str], typer.Option("--calib-field", help="Text field of .jsonl/.parquet records [default: text].")] = None,
     nsamples: Annotated[int, typer.Option("--nsamples", help="Calibration samples.")] = 128,
@@ -74,7 +76,8 @@ def quantize_command(
     _check_output(output, force)
     if report is not None and report.expanduser().is_dir():
         raise InputError(f"--report {report}: is a directory")
-    spec = build_spec(method.value, bits, group_size, sym, act_order, static_groups, damp, mse, fmt.value, quantize_head, batch_size)
+    spec = build_spec(method.value, bits, group_size, sym, act_order, static_groups, damp, mse, fmt.value, quantize_head, batch_size,
+                      refit_scales=refit_scales, gptaq=gptaq)
     start = time.perf_counter()
     with open_model(model) as source:
         check_shapes(source, spec)
@@ -85,6 +88,10 @@ def quantize_command(
         elif calib is not None:
             raise InputError("--calib applies to --method gptq; rtn needs no data")
         provenance: dict[str, Any] = {"method": method.value, "calibration": calib_info}
+        if spec.gptq is not None:
+            g = spec.gptq
+            provenance["gptq"] = {"damp": g.damp, "act_order": g.act_order, "static_groups": g.static_groups, "mse": g.mse,
+                                  "refit_scales": g.refit_scales, "gptaq": g.fp_target}
         blocks_total = source.arch.num_layers + (1 if quantize_head else 0)
         reports: list[LayerReport] = []
         timings: list[dict[str, Any]] = []
@@ -119,7 +126,8 @@ def quantize_command(
 
 
 def build_spec(method: str, bits: int, group_size: int, sym: bool, act_order: bool, static_groups: bool,
-               damp: float, mse: bool, fmt: str, quantize_head: bool, batch_size: int = 8) -> QuantizeSpec:
+               damp: float, mse: bool, fmt: str, quantize_head: bool, batch_size: int = 8, *,
+               refit_scales: bool = False, gptaq: float = 0.0) -> QuantizeSpec:
     """Validate the options and turn them into the typed configs the algorithms take."""
     if not 2 <= bits <= 8:
         raise InputError(f"--bits {bits}: choose 2 to 8")
@@ -127,8 +135,8 @@ def build_spec(method: str, bits: int, group_size: int, sym: bool, act_order: bo
         raise InputError(f"--group-size {group_size}: use a positive size, -1 (per channel) or 0 (per tensor)")
     zero_min = 1 if fmt == "gptq" and not sym else 0  # GPTQ v1 stores zero-1: a zero of 0 would wrap
     if method == "rtn":
-        if act_order or static_groups:
-            raise InputError("--act-order and --static-groups apply to --method gptq")
+        if act_order or static_groups or refit_scales or gptaq:
+            raise InputError("--act-order, --static-groups, --refit-scales and --gptaq apply to --method gptq")
         spec = QuantizeSpec("rtn", rtn=RTNConfig(bits, group_size, sym, mse, zero_min), quantize_head=quantize_head)
     else:
         if group_size == 0:
@@ -137,7 +145,10 @@ def build_spec(method: str, bits: int, group_size: int, sym: bool, act_order: bo
             raise InputError(f"--damp {damp}: choose a fraction in [0, 1)")
         if batch_size < 1:
             raise InputError(f"--batch-size {batch_size}: must be positive")
-        cfg = GPTQConfig(bits, group_size, sym, act_order, static_groups, damp, mse=mse, zero_min=zero_min)
+        if not 0 <= gptaq <= 1:
+            raise InputError(f"--gptaq {gptaq}: choose a strength in [0, 1] (0 = off)")
+        cfg = GPTQConfig(bits, group_size, sym, act_order, static_groups, damp, mse=mse, zero_min=zero_min,
+                         refit_scales=refit_scales, fp_target=gptaq)
         spec = QuantizeSpec("gptq", gptq=cfg, quantize_head=quantize_head, batch_size=batch_size)
     if fmt == "gptq":
         check_gptq_spec(spec)

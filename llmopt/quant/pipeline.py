@@ -6,6 +6,9 @@ For GPTQ: embed the calibration tokens, then for each block, in true-sequential 
     gate/up← Hessian of post_attention_layernorm(x + o(...)) with the quantized o
     down   ← Hessian of silu(gate)·up with the quantized gate/up
 and the block's outputs, computed with all its quantized weights, become the next block's inputs.
+With GPTAQ (`fp_target`), the full-precision model runs alongside: each block's four stage inputs
+are also computed from the full-precision activations with the block's original weights, and each
+stage's accumulator gathers the cross term between the two.
 Linears that share an input (q/k/v, gate/up) share one Hessian and are quantized as one stacked
 matrix, which is the same computation (GPTQ treats rows independently) done once.
 RTN needs no data: each block's linears are rounded as they stream by.
@@ -151,6 +154,7 @@ def _gptq_blocks(source: ModelSource, spec: QuantizeSpec, tokens: torch.Tensor, 
     assert spec.gptq is not None
     arch = source.arch
     x = embed(source, tokens, torch.float32, device)  # [n, t, hidden]: the current block's inputs
+    x_fp = x.clone() if spec.gptq.fp_target > 0 else None  # the same, through the unquantized model
     n, t = tokens.shape
     cos, sin = Rotary(arch).to(device)(0, t, torch.float32)
     bs = max(1, spec.batch_size)
@@ -158,45 +162,47 @@ def _gptq_blocks(source: ModelSource, spec: QuantizeSpec, tokens: torch.Tensor, 
         start = time.perf_counter()
         block = load_block(source, layer, torch.float32, device)
         result = BlockResult(layer, {})
+        fp = _fp_stage_inputs(block, x_fp, cos, sin, bs) if x_fp is not None else None
+        cross = fp is not None
 
         # q, k, v: inputs are the normed block inputs
-        acc = HessianAccumulator(arch.hidden_size, device)
+        acc = HessianAccumulator(arch.hidden_size, device, cross)
         for s in _chunks(n, bs):
-            acc.add(block.input_layernorm(x[s]))
-        _quantize_stage(block, layer, STAGES[0], acc.value(), spec.gptq, result)
+            acc.add(block.input_layernorm(x[s]), fp and fp[0][s])
+        _quantize_stage(block, layer, STAGES[0], acc, spec.gptq, result)
         del acc
 
         # o: inputs are the attention outputs with quantized q/k/v
         attn_out = torch.empty(n, t, arch.num_heads * arch.head_dim, dtype=x.dtype, device=device)
-        acc = HessianAccumulator(attn_out.shape[-1], device)
+        acc = HessianAccumulator(attn_out.shape[-1], device, cross)
         for s in _chunks(n, bs):
             attn_out[s] = _o_proj_input(block, block.input_layernorm(x[s]), cos, sin)
-            acc.add(attn_out[s])
-        _quantize_stage(block, layer, STAGES[1], acc.value(), spec.gptq, result)
+            acc.add(attn_out[s], fp and fp[1][s])
+        _quantize_stage(block, layer, STAGES[1], acc, spec.gptq, result)
         for s in _chunks(n, bs):
             x[s] += block.self_attn.o_proj(attn_out[s])  # x now holds the post-attention residual
         del attn_out, acc
 
         # gate, up: inputs are the normed post-attention residual
-        acc = HessianAccumulator(arch.hidden_size, device)
+        acc = HessianAccumulator(arch.hidden_size, device, cross)
         for s in _chunks(n, bs):
-            acc.add(block.post_attention_layernorm(x[s]))
-        _quantize_stage(block, layer, STAGES[2], acc.value(), spec.gptq, result)
+            acc.add(block.post_attention_layernorm(x[s]), fp and fp[2][s])
+        _quantize_stage(block, layer, STAGES[2], acc, spec.gptq, result)
         del acc
 
         # down: inputs are silu(gate)·up with the quantized gate/up (kept for the outputs when they fit)
-        acc = HessianAccumulator(arch.intermediate_size, device)
+        acc = HessianAccumulator(arch.intermediate_size, device, cross)
         mlp = block.mlp
         keep = n * t * arch.intermediate_size * 4 <= spec.keep_bytes
         act = torch.empty(n, t, arch.intermediate_size, dtype=x.dtype, device=device) if keep else None
         for s in _chunks(n, bs):
             h = block.post_attention_layernorm(x[s])
             m = F.silu(mlp.gate_proj(h)) * mlp.up_proj(h)
-            acc.add(m)
+            acc.add(m, fp and fp[3][s])
             if act is not None:
                 act[s] = m
-        _quantize_stage(block, layer, STAGES[3], acc.value(), spec.gptq, result)
-        del acc
+        _quantize_stage(block, layer, STAGES[3], acc, spec.gptq, result)
+        del acc, fp
 
         for s in _chunks(n, bs):  # the block's outputs with every weight quantized
             x[s] += mlp.down_proj(act[s]) if act is not None else mlp(block.post_attention_layernorm(x[s]))
@@ -207,16 +213,37 @@ def _gptq_blocks(source: ModelSource, spec: QuantizeSpec, tokens: torch.Tensor, 
     if spec.quantize_head:
         start = time.perf_counter()
         norm_w = source.load("model.norm.weight", dtype=torch.float32).to(device)
-        acc = HessianAccumulator(arch.hidden_size, device)
+        acc = HessianAccumulator(arch.hidden_size, device, x_fp is not None)
+
+        def final_norm(v: torch.Tensor) -> torch.Tensor:
+            return norm_w * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + arch.rms_norm_eps))
+
         for s in _chunks(n, bs):
-            h = x[s] * torch.rsqrt(x[s].pow(2).mean(-1, keepdim=True) + arch.rms_norm_eps)
-            acc.add(norm_w * h)
+            acc.add(final_norm(x[s]), None if x_fp is None else final_norm(x_fp[s]))
         w = head_weight(source).to(device)
         result = BlockResult(-1, {})
-        r = gptq_quantize(w, acc.value(), spec.gptq, HEAD)
+        r = gptq_quantize(w, acc.value(), spec.gptq, HEAD, acc.cross)
         _record(result, HEAD, w, r.tensor, r.loss, r.damp)
         result.seconds = time.perf_counter() - start
         yield result
+
+
+def _fp_stage_inputs(block: Block, x_fp: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     bs: int) -> list[torch.Tensor]:
+    """What q/k/v, o, gate/up and down receive in the full-precision model (block still unquantized);
+    `x_fp` is advanced in place to the block's full-precision outputs."""
+    n, t, _ = x_fp.shape
+    attn = block.self_attn
+    inputs = [torch.empty_like(x_fp), torch.empty(n, t, attn.n_heads * attn.head_dim, dtype=x_fp.dtype, device=x_fp.device),
+              torch.empty_like(x_fp), torch.empty(n, t, block.mlp.down_proj.in_features, dtype=x_fp.dtype, device=x_fp.device)]
+    for s in _chunks(n, bs):
+        inputs[0][s] = h = block.input_layernorm(x_fp[s])
+        inputs[1][s] = o = _o_proj_input(block, h, cos, sin)
+        x_fp[s] += attn.o_proj(o)
+        inputs[2][s] = h = block.post_attention_layernorm(x_fp[s])
+        inputs[3][s] = m = F.silu(block.mlp.gate_proj(h)) * block.mlp.up_proj(h)
+        x_fp[s] += block.mlp.down_proj(m)
+    return inputs
 
 
 def _o_proj_input(block: Block, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -230,14 +257,14 @@ def _o_proj_input(block: Block, h: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return seen[0]
 
 
-def _quantize_stage(block: Block, layer: int, linears: tuple[str, ...], hessian: torch.Tensor,
+def _quantize_stage(block: Block, layer: int, linears: tuple[str, ...], acc: HessianAccumulator,
                     cfg: GPTQConfig, result: BlockResult) -> None:
     """GPTQ on the linears of one stage (stacked: they share `hessian`), then load the quantized weights."""
     modules = [block.get_submodule(name) for name in linears]
     weights = [m.weight.data for m in modules]
     stacked = torch.cat(weights, dim=0) if len(weights) > 1 else weights[0]
     label = module_name(layer, "+".join(n.split(".")[-1] for n in linears) if len(linears) > 1 else linears[0])
-    r = gptq_quantize(stacked, hessian, cfg, label)
+    r = gptq_quantize(stacked, acc.value(), cfg, label, acc.cross)
     row = 0
     for name, m, w in zip(linears, modules, weights):
         rows = slice(row, row + w.shape[0])

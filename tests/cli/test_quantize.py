@@ -70,6 +70,15 @@ def test_calib_self_default(llmopt_inprocess, tiny_models, tmp_path) -> None:
     assert json.loads(r.stdout)["calibration"]["source"] == "self"
 
 
+def test_gptaq_and_refit_scales_are_recorded(llmopt_inprocess, tiny_models, tmp_path) -> None:
+    out = tmp_path / "aq"
+    r = llmopt_inprocess("quantize", tiny_models("llama"), "--group-size", "32", "--nsamples", "2", "--seqlen", "16",
+                         "--asym", "--act-order", "--mse", "--refit-scales", "--gptaq", "0.25", "-o", out)
+    assert r.returncode == 0, r.stderr
+    gptq = json.loads((out / "config.json").read_text())["llmopt"]["gptq"]
+    assert gptq == {"damp": 0.01, "act_order": True, "static_groups": False, "mse": True, "refit_scales": True, "gptaq": 0.25}
+
+
 @pytest.mark.parametrize("args, expect", [
     (["--bits", "5"], "GPTQ checkpoints hold 2, 3, 4, 8 bits"),
     (["--bits", "9", "--format", "dense"], "choose 2 to 8"),
@@ -79,6 +88,8 @@ def test_calib_self_default(llmopt_inprocess, tiny_models, tmp_path) -> None:
     (["--calib", "EMPTY"], "holds no text"),
     (["--damp", "1.5"], "--damp"),
     (["--method", "rtn", "--act-order"], "apply to --method gptq"),
+    (["--method", "rtn", "--refit-scales"], "apply to --method gptq"),
+    (["--gptaq", "1.5"], "--gptaq 1.5: choose a strength in [0, 1]"),
     (["--device", "tpu"], "bad --device"),
 ])
 def test_bad_input(llmopt_inprocess, tiny_models, tmp_path, args, expect) -> None:

@@ -20,34 +20,8 @@ def _tokens(src, n=6, t=40):
     return calibration_tokens(CalibText([CORPUS], "corpus", "0"), src.tokenizer().encode, CalibConfig("c", None, n, t, 0))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_hessians_follow_the_quantized_model(tmp_path, monkeypatch, family) -> None:
-    import json
-
-    import transformers
-
-    seen: dict[str, torch.Tensor] = {}
-    real = pipeline.gptq_quantize
-
-    def spy(weight, hessian, cfg, name=""):
-        seen[name] = hessian.clone()
-        return real(weight, hessian, cfg, name)
-
-    monkeypatch.setattr(pipeline, "gptq_quantize", spy)
-    spec = QuantizeSpec("gptq", gptq=GPTQConfig(3, 32, True), batch_size=4)
-    # a float16 source, so the float16 embeddings and norms of the checkpoint are exactly the source's
-    source_dir = make_tiny_hf(tmp_path / "src", family, dtype=torch.float16)
-    with open_model(source_dir) as src:
-        tokens = _tokens(src)
-        out = write_quantized(src, spec, quantize_model(src, spec, tokens), tmp_path / "q")
-    assert len(seen) == 2 * 4  # four stages per block: q+k+v, o, gate+up, down
-
-    # transformers' model with the weights our GPTQ reader dequantizes (float32, exact)
-    config = transformers.AutoConfig.for_model(**{k: v for k, v in json.loads((out / "config.json").read_text()).items()
-                                                  if k not in ("quantization_config", "llmopt")})
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with open_model(out) as q:
-        model.load_state_dict({n: q.load(n, torch.float32) for n in q.tensors}, strict=False)
+def _linear_inputs(model, tokens) -> dict[str, torch.Tensor]:
+    """What each stage's first linear receives in a transformers model, [tokens, features] float64."""
     inputs: dict[str, list[torch.Tensor]] = {}
     hooks = []
     for i, layer in enumerate(model.model.layers):
@@ -60,12 +34,57 @@ def test_hessians_follow_the_quantized_model(tmp_path, monkeypatch, family) -> N
         model(tokens)
     for h in hooks:
         h.remove()
+    return {label: torch.cat(xs).reshape(-1, xs[0].shape[-1]).double() for label, xs in inputs.items()}
+
+
+@pytest.mark.parametrize("family,fp_target", [("llama", 0.0), ("qwen2", 0.0), ("llama", 0.25)])
+def test_hessians_follow_the_quantized_model(tmp_path, monkeypatch, family, fp_target) -> None:
+    """H from the quantized model's inputs; with GPTAQ also the cross term against the source model's."""
+    import json
+
+    import transformers
+
+    seen: dict[str, torch.Tensor] = {}
+    crosses: dict[str, torch.Tensor] = {}
+    real = pipeline.gptq_quantize
+
+    def spy(weight, hessian, cfg, name="", cross=None):
+        seen[name] = hessian.clone()
+        if cross is not None:
+            crosses[name] = cross.clone()
+        return real(weight, hessian, cfg, name, cross)
+
+    monkeypatch.setattr(pipeline, "gptq_quantize", spy)
+    spec = QuantizeSpec("gptq", gptq=GPTQConfig(3, 32, True, fp_target=fp_target), batch_size=4)
+    # a float16 source, so the float16 embeddings and norms of the checkpoint are exactly the source's
+    source_dir = make_tiny_hf(tmp_path / "src", family, dtype=torch.float16)
+    with open_model(source_dir) as src:
+        tokens = _tokens(src)
+        out = write_quantized(src, spec, quantize_model(src, spec, tokens), tmp_path / "q")
+    assert len(seen) == 2 * 4  # four stages per block: q+k+v, o, gate+up, down
+    assert len(crosses) == (8 if fp_target else 0)
+
+    # transformers' model with the weights our GPTQ reader dequantizes (float32, exact)
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in json.loads((out / "config.json").read_text()).items()
+                                                  if k not in ("quantization_config", "llmopt")})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with open_model(out) as q:
+        model.load_state_dict({n: q.load(n, torch.float32) for n in q.tensors}, strict=False)
+    inputs = _linear_inputs(model, tokens)
     assert set(inputs) == set(seen)
-    for label, xs in inputs.items():
-        x = torch.cat(xs).reshape(-1, xs[0].shape[-1]).double()
+    for label, x in inputs.items():
         expected = 2 * x.t() @ x / x.shape[0]
         scale = float(expected.abs().max())
         assert torch.allclose(seen[label].double(), expected, atol=1e-4 * scale), label
+    if fp_target:
+        source = transformers.AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32).eval()
+        fp_inputs = _linear_inputs(source, tokens)
+        for label, x in inputs.items():
+            expected = 2 * (fp_inputs[label] - x).t() @ x / x.shape[0]
+            scale = float(seen[label].abs().max())
+            assert torch.allclose(crosses[label].double(), expected, atol=1e-4 * scale), label
+        assert float(crosses["model.layers.0.q_proj+k_proj+v_proj"].abs().max()) == 0  # same inputs in block 0
+        assert float(crosses["model.layers.1.mlp.down_proj"].abs().max()) > 1e-3 * float(seen["model.layers.1.mlp.down_proj"].abs().max())
 
 
 def test_rtn_needs_no_data_and_streams_blocks(tiny_models) -> None:

@@ -40,10 +40,15 @@ CONFIGS: dict[str, list[str]] = {
     "gptq-w4-g128-asym-act-mse": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--asym", "--act-order", "--mse"],
     "gptq-w4-g128-asym-act-static-mse": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--asym", "--act-order", "--static-groups", "--mse"],
     "gptq-w3-g128-asym-act-mse": ["--method", "gptq", "--bits", "3", "--group-size", "128", "--asym", "--act-order", "--mse"],
+    # the best 4-bit g128 found: also re-solve the scales for the final codes
+    "gptq-w4-g128-asym-act-mse-refit": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--asym", "--act-order", "--mse",
+                                        "--refit-scales"],
+    "gptq-w4-g128-asym-act-mse-refit-self": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--asym", "--act-order",
+                                             "--mse", "--refit-scales", "--calib", "self"],
     "gptq-w4-g128-sym-self": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--sym", "--damp", "0.05", "--calib", "self"],
 }
 DEFAULT = ["rtn-w4-g128-sym", "rtn-w4-g128-asym", "rtn-w3-g128-sym", "gptq-w4-g128-sym", "gptq-w3-g128-sym",
-           "gptq-w4-g128-asym-act-mse"]
+           "gptq-w4-g128-asym-act-mse", "gptq-w4-g128-asym-act-mse-refit"]
 
 GPTQMODEL_SNIPPET = r"""
 import sys, time, json, random

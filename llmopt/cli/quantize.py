@@ -49,6 +49,7 @@ def quantize_command(
     group_size: Annotated[int, typer.Option("--group-size", help="Columns per scale: >0 per group, -1 per output channel, 0 per tensor (rtn).")] = 128,
     sym: Annotated[bool, typer.Option("--sym/--asym", help="Symmetric grid (no zero point) or asymmetric (zero point per group).")] = True,
     act_order: Annotated[bool, typer.Option("--act-order", help="GPTQ: quantize columns by decreasing activation energy (desc_act).")] = False,
+    group_aware: Annotated[bool, typer.Option("--group-aware-order", help="GPTQ: act-order inside contiguous groups (GPTQModel's act_group_aware; no g_idx).")] = False,
     static_groups: Annotated[bool, typer.Option("--static-groups", help="GPTQ: choose group scales before quantizing (keeps groups contiguous under --act-order).")] = False,
     damp: Annotated[float, typer.Option("--damp", help="GPTQ: dampening, a fraction of the mean Hessian diagonal (raised automatically if needed).")] = 0.01,
     mse: Annotated[bool, typer.Option("--mse", help="Search a clipping range per group instead of min/max.")] = False,
@@ -77,7 +78,7 @@ def quantize_command(
     if report is not None and report.expanduser().is_dir():
         raise InputError(f"--report {report}: is a directory")
     spec = build_spec(method.value, bits, group_size, sym, act_order, static_groups, damp, mse, fmt.value, quantize_head, batch_size,
-                      refit_scales=refit_scales, gptaq=gptaq)
+                      refit_scales=refit_scales, gptaq=gptaq, group_aware=group_aware)
     start = time.perf_counter()
     with open_model(model) as source:
         check_shapes(source, spec)
@@ -90,7 +91,8 @@ def quantize_command(
         provenance: dict[str, Any] = {"method": method.value, "calibration": calib_info}
         if spec.gptq is not None:
             g = spec.gptq
-            provenance["gptq"] = {"damp": g.damp, "act_order": g.act_order, "static_groups": g.static_groups, "mse": g.mse,
+            provenance["gptq"] = {"damp": g.damp, "act_order": g.act_order, "group_aware_order": g.group_aware,
+                                  "static_groups": g.static_groups, "mse": g.mse,
                                   "refit_scales": g.refit_scales, "gptaq": g.fp_target}
         blocks_total = source.arch.num_layers + (1 if quantize_head else 0)
         reports: list[LayerReport] = []
@@ -127,7 +129,7 @@ def quantize_command(
 
 def build_spec(method: str, bits: int, group_size: int, sym: bool, act_order: bool, static_groups: bool,
                damp: float, mse: bool, fmt: str, quantize_head: bool, batch_size: int = 8, *,
-               refit_scales: bool = False, gptaq: float = 0.0) -> QuantizeSpec:
+               refit_scales: bool = False, gptaq: float = 0.0, group_aware: bool = False) -> QuantizeSpec:
     """Validate the options and turn them into the typed configs the algorithms take."""
     if not 2 <= bits <= 8:
         raise InputError(f"--bits {bits}: choose 2 to 8")
@@ -135,8 +137,8 @@ def build_spec(method: str, bits: int, group_size: int, sym: bool, act_order: bo
         raise InputError(f"--group-size {group_size}: use a positive size, -1 (per channel) or 0 (per tensor)")
     zero_min = 1 if fmt == "gptq" and not sym else 0  # GPTQ v1 stores zero-1: a zero of 0 would wrap
     if method == "rtn":
-        if act_order or static_groups or refit_scales or gptaq:
-            raise InputError("--act-order, --static-groups, --refit-scales and --gptaq apply to --method gptq")
+        if act_order or static_groups or refit_scales or gptaq or group_aware:
+            raise InputError("--act-order, --group-aware-order, --static-groups, --refit-scales and --gptaq apply to --method gptq")
         spec = QuantizeSpec("rtn", rtn=RTNConfig(bits, group_size, sym, mse, zero_min), quantize_head=quantize_head)
     else:
         if group_size == 0:
@@ -145,10 +147,12 @@ def build_spec(method: str, bits: int, group_size: int, sym: bool, act_order: bo
             raise InputError(f"--damp {damp}: choose a fraction in [0, 1)")
         if batch_size < 1:
             raise InputError(f"--batch-size {batch_size}: must be positive")
+        if group_aware and (act_order or static_groups):
+            raise InputError("--group-aware-order is an alternative to --act-order and --static-groups; choose one")
         if not 0 <= gptaq <= 1:
             raise InputError(f"--gptaq {gptaq}: choose a strength in [0, 1] (0 = off)")
         cfg = GPTQConfig(bits, group_size, sym, act_order, static_groups, damp, mse=mse, zero_min=zero_min,
-                         refit_scales=refit_scales, fp_target=gptaq)
+                         refit_scales=refit_scales, fp_target=gptaq, group_aware=group_aware)
         spec = QuantizeSpec("gptq", gptq=cfg, quantize_head=quantize_head, batch_size=batch_size)
     if fmt == "gptq":
         check_gptq_spec(spec)

@@ -13,6 +13,10 @@ Implementation notes (our own, following the paper's algorithm):
   groups contiguous under act-order.
 - `act_order` (desc_act) processes columns by decreasing H_ii; without static groups, groups are
   formed in that order and `g_idx` records each input column's group.
+- `group_aware` (GPTQModel's act_group_aware): act-order that keeps the groups contiguous. Groups
+  are processed by decreasing max H_ii, and the columns inside each group by decreasing H_ii; each
+  group's parameters are chosen when it starts, from the error-updated weights. The checkpoint
+  needs no g_idx, so fast contiguous-group kernels still apply.
 - `fp_target` (GPTAQ, Li et al. 2025): the layer should reproduce the full-precision model's output
   W·X_fp, not W·X with its own (already quantization-distorted) inputs X. The least-squares weights
   for that target are W + W·C·H⁻¹ with C = 2/N Σ (x_fp - x) xᵀ; minimising ‖(Q - W*)X‖ is the same
@@ -51,6 +55,7 @@ class GPTQConfig:
     mse_weighted: bool = True  # weight the clipping search's column errors by diag H (activation energy)
     refit_scales: bool = False  # re-solve the scales for the final codes (least squares, see above)
     fp_target: float = 0.0  # GPTAQ's α: > 0 pulls the layer toward the full-precision model's output
+    group_aware: bool = False  # act-order within contiguous groups (see above)
     zero_min: int = 0  # 1 for GPTQ v1 checkpoints (see int_grid)
 
     def grid(self) -> IntGrid:
@@ -113,6 +118,9 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, 
         static = _group_params(grid, w, gs, n_groups, torch.diag(h) if cfg.mse and cfg.mse_weighted else None)
 
     perm = torch.argsort(torch.diag(h), descending=True) if cfg.act_order else None
+    group_aware = cfg.group_aware and static is None and not cfg.act_order
+    if group_aware:
+        perm = group_aware_order(torch.diag(h), gs)
     if perm is not None:
         w = w[:, perm]
         h = h[perm][:, perm]
@@ -125,7 +133,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, 
     if static is not None:
         scales, zeros = static
     # group of each processed (possibly permuted) column
-    if perm is not None and static is not None:
+    if perm is not None and (static is not None or group_aware):
         col_group = perm // gs
     else:
         col_group = torch.arange(cols, device=w.device) // gs
@@ -142,8 +150,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, 
             c = b0 + i
             g = col_group_cpu[c]
             if static is None:
-                if c % gs == 0:  # a new group starts here: its parameters from the current weights
-                    end = min(c + gs, cols)
+                if c == 0 or g != col_group_cpu[c - 1]:  # a group starts: its parameters from the current weights
+                    end = min(c + gs, cols) if not group_aware else min((g + 1) * gs, cols) - g * gs + c
                     current = w_blk[:, i:] if end <= b1 else torch.cat([w_blk[:, i:], w[:, b1:end]], dim=1)
                     scale, zero = grid.params(current[:, : end - c], None if energy is None else energy[c:end])
                     scales[:, g], zeros[:, g] = scale, zero
@@ -163,7 +171,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, 
     if perm is not None:
         inv = torch.argsort(perm)
         codes = codes[:, inv]
-        if static is None:
+        if static is None and not group_aware:
             g_idx = col_group[inv].to(torch.int32)  # groups were formed in processing order
     if target is not None:
         groups = g_idx.long() if g_idx is not None else torch.arange(cols, device=w.device) // gs
@@ -172,6 +180,20 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, 
     qt = QuantizedTensor(codes=codes, scales=scales, bits=cfg.bits, group_size=cfg.group_size,
                          zeros=None if cfg.sym else zeros.to(torch.int32), g_idx=g_idx, grid="int")
     return GPTQResult(qt, loss.cpu(), damp)
+
+
+def group_aware_order(energy: torch.Tensor, gs: int) -> torch.Tensor:
+    """Column order for `group_aware`: groups by decreasing max energy, columns by decreasing energy
+    inside each group (so each group's columns stay together)."""
+    cols = energy.shape[0]
+    group = torch.arange(cols, device=energy.device) // gs
+    n_groups = int(group[-1]) + 1
+    peak = torch.full((n_groups,), -float("inf"), device=energy.device).scatter_reduce(0, group, energy, "amax")
+    rank = torch.empty_like(group)
+    rank[torch.argsort(peak, descending=True)] = torch.arange(n_groups, device=energy.device)
+    # sort key: group rank first, then energy descending within the group
+    inner = torch.argsort(torch.argsort(energy, descending=True))  # 0 = most energetic column overall
+    return torch.argsort(rank[group] * cols + inner)
 
 
 def refit_scales(w: torch.Tensor, codes: torch.Tensor, zeros: torch.Tensor, groups: torch.Tensor,

@@ -76,7 +76,8 @@ def test_gptaq_and_refit_scales_are_recorded(llmopt_inprocess, tiny_models, tmp_
                          "--asym", "--act-order", "--mse", "--refit-scales", "--gptaq", "0.25", "-o", out)
     assert r.returncode == 0, r.stderr
     gptq = json.loads((out / "config.json").read_text())["llmopt"]["gptq"]
-    assert gptq == {"damp": 0.01, "act_order": True, "static_groups": False, "mse": True, "refit_scales": True, "gptaq": 0.25}
+    assert gptq == {"damp": 0.01, "act_order": True, "group_aware_order": False, "static_groups": False, "mse": True,
+                    "refit_scales": True, "gptaq": 0.25}
 
 
 @pytest.mark.parametrize("args, expect", [
@@ -89,6 +90,7 @@ def test_gptaq_and_refit_scales_are_recorded(llmopt_inprocess, tiny_models, tmp_
     (["--damp", "1.5"], "--damp"),
     (["--method", "rtn", "--act-order"], "apply to --method gptq"),
     (["--method", "rtn", "--refit-scales"], "apply to --method gptq"),
+    (["--group-aware-order", "--act-order"], "choose one"),
     (["--gptaq", "1.5"], "--gptaq 1.5: choose a strength in [0, 1]"),
     (["--device", "tpu"], "bad --device"),
 ])

@@ -89,13 +89,3 @@ def test_self_generated_samples_are_reproducible(tiny_models) -> None:
         specials = {src.tokenizer().token_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
     assert a.shape == (3, 20) and torch.equal(a, b) and not torch.equal(a, c)
     assert not set(a.flatten().tolist()) & specials
-
-
-def test_nucleus_keeps_the_smallest_set_reaching_top_p() -> None:
-    import torch
-
-    from llmopt.calibration.self_text import nucleus
-
-    p = torch.tensor([[0.5, 0.1, 0.3, 0.1], [0.05, 0.9, 0.03, 0.02]])
-    assert torch.equal(nucleus(p, 0.75), torch.tensor([[0.5, 0.0, 0.3, 0.0], [0.0, 0.9, 0.0, 0.0]]))
-    assert torch.equal(nucleus(p, 1.0), p)

@@ -48,6 +48,8 @@ CONFIGS: dict[str, list[str]] = {
     # the best 4-bit g128 found: also re-solve the scales for the final codes
     "gptq-w4-g128-asym-act-mse-refit": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--asym", "--act-order", "--mse",
                                         "--refit-scales"],
+    "gptq-w4-g128-asym-act-mse-refit-gptaq": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--asym", "--act-order",
+                                              "--mse", "--refit-scales", "--gptaq", "0.25"],
     "gptq-w4-g128-asym-act-mse-refit-self": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--asym", "--act-order",
                                              "--mse", "--refit-scales", "--calib", "self"],
     "gptq-w4-g128-sym-self": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--sym", "--damp", "0.05", "--calib", "self"],

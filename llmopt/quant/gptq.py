@@ -75,11 +75,8 @@ class GPTQResult:
 
 def inverse_hessian_factor(h: torch.Tensor, damp: float, damp_step: float, name: str = "") -> tuple[torch.Tensor, float]:
     """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp·mean(diag H), raising damp until it exists."""
-    mean_diag = float(torch.diag(h).mean())
-    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     while True:
-        damped = h + damp * mean_diag * eye
-        lower, info = torch.linalg.cholesky_ex(damped)
+        lower, info = torch.linalg.cholesky_ex(damped(h, damp))
         if int(info) == 0:
             inv = torch.cholesky_inverse(lower)
             upper, info = torch.linalg.cholesky_ex(inv, upper=True)
@@ -89,6 +86,11 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float, damp_step: float, name:
             raise ValueError(f"{name}: the Hessian is not positive definite even with damp {damp:.2f}")
         log.warning("%s: Cholesky failed with damp %.3f; retrying with %.3f", name or "layer", damp, damp + damp_step)
         damp = damp + damp_step
+
+
+def damped(h: torch.Tensor, damp: float) -> torch.Tensor:
+    """H + λI with λ = damp · mean(diag H)."""
+    return h + damp * float(torch.diag(h).mean()) * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, name: str = "",
@@ -108,14 +110,14 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, 
     if cfg.fp_target > 0 and cross is not None:
         c = cross.to(device=w.device, dtype=torch.float32).clone()
         c[:, dead] = 0
-        damped = h + cfg.damp * float(torch.diag(h).mean()) * torch.eye(cols, device=w.device)
-        w = w + cfg.fp_target * (w @ torch.linalg.solve(damped, c.t()).t())  # W + α W C H⁻¹ (H symmetric)
+        w = w + cfg.fp_target * (w @ torch.linalg.solve(damped(h, cfg.damp), c.t()).t())  # W + α W C H⁻¹ (H symmetric)
         w[:, dead] = 0
     target, h_orig = (w.clone(), h.clone()) if cfg.refit_scales else (None, None)
 
+    weigh = cfg.mse and cfg.mse_weighted  # the clipping search weighs columns by diag H
     static: tuple[torch.Tensor, torch.Tensor] | None = None
     if cfg.static_groups or cfg.group_size <= 0:
-        static = _group_params(grid, w, gs, n_groups, torch.diag(h) if cfg.mse and cfg.mse_weighted else None)
+        static = _group_params(grid, w, gs, n_groups, torch.diag(h) if weigh else None)
 
     perm = torch.argsort(torch.diag(h), descending=True) if cfg.act_order else None
     group_aware = cfg.group_aware and static is None and not cfg.act_order
@@ -125,7 +127,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, 
         w = w[:, perm]
         h = h[perm][:, perm]
     hinv, damp = inverse_hessian_factor(h, cfg.damp, cfg.damp_step, name)
-    energy = torch.diag(h).clone() if cfg.mse and cfg.mse_weighted else None  # in processing order
+    energy = torch.diag(h).clone() if weigh else None  # in processing order
 
     codes = torch.zeros(rows, cols, dtype=torch.uint8, device=w.device)
     scales = torch.zeros(rows, n_groups, dtype=torch.float32, device=w.device)
@@ -175,8 +177,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, 
             g_idx = col_group[inv].to(torch.int32)  # groups were formed in processing order
     if target is not None:
         groups = g_idx.long() if g_idx is not None else torch.arange(cols, device=w.device) // gs
-        damped = h_orig + damp * float(torch.diag(h_orig).mean()) * torch.eye(cols, device=w.device)
-        scales = refit_scales(target, codes, zeros, groups, scales, damped)
+        scales = refit_scales(target, codes, zeros, groups, scales, damped(h_orig, damp))
     qt = QuantizedTensor(codes=codes, scales=scales, bits=cfg.bits, group_size=cfg.group_size,
                          zeros=None if cfg.sym else zeros.to(torch.int32), g_idx=g_idx, grid="int")
     return GPTQResult(qt, loss.cpu(), damp)

@@ -13,15 +13,13 @@ first write and each old tensor is freed once copied, so peak memory stays near 
 
 from __future__ import annotations
 
-import ctypes
-import sys
-
 import torch
 from torch import nn
 
+from llmopt.memory import MADV_HUGEPAGE, madvise
+
 ALIGN = 64  # bytes: each tensor starts on a cache line
 HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14
 
 
 def pack_contiguously(model: nn.Module) -> int:
@@ -36,7 +34,7 @@ def pack_contiguously(model: nn.Module) -> int:
         return 0
     dtype = max({t.dtype for _, _, t in tensors}, key=lambda d: sum(t.numel() for _, _, t in tensors if t.dtype == d))
     tensors = [(m, n, t) for m, n, t in tensors if t.dtype == dtype]
-    size = torch.tensor([], dtype=dtype).element_size()
+    size = dtype.itemsize
     step = ALIGN // size
     offsets, total, placed = [], 0, {}
     for _, _, t in tensors:  # a tensor held by several modules (tied weights) gets one place
@@ -59,15 +57,9 @@ def pack_contiguously(model: nn.Module) -> int:
 def _huge_page_block(elements: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
     """An uncommitted block of at least `elements`, asked to use transparent huge pages (Linux);
     returns it and the element offset where the 2 MB-aligned usable part starts."""
-    size = torch.tensor([], dtype=dtype).element_size()
+    size = dtype.itemsize
     block = torch.empty(elements + HUGE_PAGE // size, dtype=dtype)
     ptr = block.data_ptr()
     aligned = (ptr + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            length = (ptr + block.nbytes - aligned) // HUGE_PAGE * HUGE_PAGE  # whole huge pages inside the block
-            libc.madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(length), MADV_HUGEPAGE)  # advice only
-        except (OSError, AttributeError):
-            pass
+    madvise(aligned, (ptr + block.nbytes - aligned) // HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE)  # whole huge pages inside
     return block, (aligned - ptr) // size

@@ -8,11 +8,9 @@ a time, and the file appears under its name only when complete.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import math
 import struct
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +33,7 @@ from llmopt.model.arch import ArchSpec
 from llmopt.model.families.base import permute_for_gguf
 from llmopt.model.source import ModelSource
 from llmopt.quant.grids import quantize
+from llmopt.memory import release_file_pages
 from llmopt.quant.grids.layout import single_threaded_ops
 
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION: the block layouts written here
@@ -182,41 +181,6 @@ def _encode(source: ModelSource, planned: PlannedTensor, weight: torch.Tensor,
         raise InputError(f"imatrix entry for {planned.gguf_name} has {importance.numel()} values, "
                          f"the tensor has {weight.shape[-1]} columns")  # fmt: skip
     return pack(quantize(kind, weight.reshape(-1, weight.shape[-1]), importance))
-
-
-_MADV_DONTNEED = 4
-_PAGE = 4096
-
-
-def release_file_pages(t: torch.Tensor) -> None:
-    """Drop from this process the file pages a memory-mapped source tensor was read from (Linux).
-
-    safetensors and GGUF sources hand out tensors backed by a private or read-only map of the file;
-    every page read stays resident (and counted in RSS) while the map is open, so a 13 GB model
-    would end up wholly resident. The pages are clean (nothing writes to them), so MADV_DONTNEED only
-    makes a later read fetch them again from the file. Anonymous memory is never touched."""
-    if not sys.platform.startswith("linux") or t.numel() == 0:
-        return
-    start, end = t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes()
-    first, last = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE  # whole pages inside the tensor
-    if last <= first or not _file_backed(first, last):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
-
-
-def _file_backed(first: int, last: int) -> bool:
-    """Whether [first, last) lies in one mapping of a file (per /proc/self/maps)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split()
-                lo, hi = (int(v, 16) for v in fields[0].split("-"))
-                if lo <= first and last <= hi:
-                    return len(fields) >= 6 and fields[5].startswith("/") and fields[4] != "0"
-    except OSError:
-        pass
-    return False
 
 
 # ------------------------------------------------------------------------------------------ metadata

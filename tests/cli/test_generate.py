@@ -58,6 +58,7 @@ def test_chat_template_from_gguf_metadata(llmopt_here, smollm2_gguf):
     (["-p", "x", "--dtype", "int3"], "--dtype"),
     (["-p", "x", "--chat"], "no chat template"),
     (["-p", "x", "--max-tokens", "0"], "--max-tokens"),
+    (["-p", "x", "--compile", "--max-tokens", "0"], "--max-tokens"),  # refused before any compiling
 ])
 def test_bad_input_is_one_line_exit_2(llmopt_here, tiny_models, args, expect):
     assert_clean_failure(llmopt_here("generate", tiny_models("llama"), *args), expect)

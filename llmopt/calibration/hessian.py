@@ -1,7 +1,9 @@
 """Input statistics of a linear layer: the GPTQ Hessian H = 2/N · Σ x xᵀ over all calibration tokens.
 
 Accumulated in float32 as a running mean so its scale does not grow with the token count; the
-outer products are formed chunk by chunk (one matmul per batch of tokens).
+outer products are formed chunk by chunk (one matmul per batch of tokens). H is symmetric, so only
+its upper block triangle is multiplied out (strips of `STRIP` rows) and the rest is mirrored when
+read: about 60% of a full XᵀX's work for the 1536-wide MLP input, the same float32 arithmetic.
 
 With `cross=True` it also accumulates GPTAQ's asymmetry term 2/N · Σ (x_fp - x) xᵀ, where x_fp is
 what the same linear receives in the full-precision model and x what it receives in the model being
@@ -12,12 +14,14 @@ from __future__ import annotations
 
 import torch
 
+STRIP = 256  # rows per strip of the upper triangle; measured fastest for widths 576-1536 on CPU
+
 
 class HessianAccumulator:
     """Running 2/N · XᵀX for one input width; feed it activations of any leading shape."""
 
     def __init__(self, features: int, device: torch.device | str = "cpu", cross: bool = False):
-        self.h = torch.zeros(features, features, dtype=torch.float32, device=device)
+        self.h = torch.zeros(features, features, dtype=torch.float32, device=device)  # upper block triangle
         self.cross = torch.zeros_like(self.h) if cross else None
         self.tokens = 0
 
@@ -27,15 +31,21 @@ class HessianAccumulator:
         if n == 0:
             return
         total = self.tokens + n
-        self.h.mul_(self.tokens / total)
-        self.h.addmm_(x.t(), x, alpha=2.0 / total)
+        keep, alpha = self.tokens / total, 2.0 / total
+        d = x.shape[1]
+        for start in range(0, d, STRIP):
+            end = min(start + STRIP, d)
+            strip = self.h[start:end, start:]
+            strip.mul_(keep)
+            strip.addmm_(x[:, start:end].t(), x[:, start:], alpha=alpha)
         if self.cross is not None:
             if x_fp is None:
                 raise ValueError("this accumulator also needs the full-precision model's inputs")
-            dx = x_fp.reshape(-1, x.shape[-1]).to(device=self.h.device, dtype=torch.float32) - x
-            self.cross.mul_(self.tokens / total)
-            self.cross.addmm_(dx.t(), x, alpha=2.0 / total)
+            dx = x_fp.reshape(-1, d).to(device=self.h.device, dtype=torch.float32) - x
+            self.cross.mul_(keep)
+            self.cross.addmm_(dx.t(), x, alpha=alpha)
         self.tokens = total
 
     def value(self) -> torch.Tensor:
-        return self.h
+        """The full symmetric H."""
+        return torch.triu(self.h) + torch.triu(self.h, 1).t()

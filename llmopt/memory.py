@@ -1,14 +1,16 @@
 """Advice to the OS about pages that llmopt's tensors sit on (Linux madvise; a no-op elsewhere).
 
-Two uses: dropping the clean file pages a memory-mapped source tensor was read from, so a streamed
-model does not stay resident in RSS (the GGUF writer), and asking for transparent huge pages for
-the runtime's contiguous weight block (runtime/arena.py).
+Two uses: dropping the clean file pages a memory-mapped source was read from, so a streamed model
+does not stay resident in RSS (the GGUF writer, and `load_block` for layer-at-a-time work), and
+asking for transparent huge pages for the runtime's contiguous weight block (runtime/arena.py).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -55,3 +57,28 @@ def _file_backed(first: int, last: int) -> bool:
     except OSError:
         pass
     return False
+
+
+def release_mapped_files(root: Path) -> None:
+    """Drop the resident pages of every read-only mapping of a file at or under `root` (Linux).
+
+    safetensors copies each tensor out of its map, so the pages it read stay mapped and counted in
+    RSS until the file is closed; a layer-at-a-time reader calls this after each layer so resident
+    memory follows one layer, not the model. The sources never write to their maps (they hand out
+    copies), so the pages are clean copies of the file and are read back from it when needed again."""
+    if not sys.platform.startswith("linux"):
+        return
+    base = os.path.realpath(root)
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.readlines()
+    except OSError:
+        return
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6:
+            continue
+        path = fields[5].strip()
+        if path == base or path.startswith(base + os.sep):
+            lo, hi = (int(v, 16) for v in fields[0].split("-"))
+            madvise(lo, hi - lo, MADV_DONTNEED)

@@ -21,6 +21,7 @@ def embed(source: ModelSource, tokens: torch.Tensor, dtype: torch.dtype = torch.
     table = source.load("model.embed_tokens.weight", dtype=torch.float32)
     x = table[tokens.clamp(0, table.shape[0] - 1)].to(device=device, dtype=dtype)
     del table
+    source.release_pages()
     return x
 
 

@@ -255,4 +255,5 @@ def load_block(source: ModelSource, layer: int, dtype: torch.dtype = torch.float
     state = {n[len(prefix):]: source.load(n, dtype=torch.float32).to(device=device, dtype=dtype)
              for n in source.tensors if n.startswith(prefix)}
     block.load_state_dict(state, strict=True, assign=True)
+    source.release_pages()  # the block is copied out; its file pages need not stay resident
     return block.eval()

@@ -89,8 +89,9 @@ class HFDirSource(ModelSource):
     def load(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         if name not in self.tensors:
             raise KeyError(name)
-        t = self._handles[self._file_of[name]].get_tensor(name)
-        return t if dtype is None or not t.is_floating_point() else t.to(dtype)
+        t = self._handles[self._file_of[name]].get_tensor(name)  # a view into safetensors' private map
+        # always a copy: callers own what they get, and release_pages() may drop the map's pages
+        return t.clone() if dtype is None or not t.is_floating_point() else t.to(dtype, copy=True)
 
     def tokenizer(self) -> TokenizerInfo | None:
         if not self._tokenizer_read:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from llmopt.memory import release_mapped_files
 from llmopt.model.arch import ArchSpec
 from llmopt.model.tokenizer import TokenizerInfo
 
@@ -50,6 +51,10 @@ class ModelSource(ABC):
     @abstractmethod
     def tokenizer(self) -> TokenizerInfo | None:
         """The model's tokenizer, or None when the source carries none."""
+
+    def release_pages(self) -> None:
+        """Let go of the memory-mapped file pages read so far (they stay counted in RSS otherwise)."""
+        release_mapped_files(self.path)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release file handles and memory maps."""

@@ -17,3 +17,33 @@ def resolve_device(name: str = "auto") -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise InputError("--device cuda: no CUDA device is available to torch on this machine")
     return torch.device(name)
+
+
+CALIB_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` multiplies bfloat16 natively (CUDA since Ampere; x86 CPUs with AVX512-BF16 or AMX).
+    Elsewhere torch emulates it, slower than float32."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def resolve_calib_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`--calib-dtype`: the calibration forward's dtype; auto = bfloat16 where it is native, else float32."""
+    if name not in CALIB_DTYPES:
+        raise InputError(f"bad --calib-dtype {name!r}; choose one of {', '.join(CALIB_DTYPES)}")
+    if name == "auto":
+        return torch.bfloat16 if native_bf16(device) else torch.float32
+    return getattr(torch, name)

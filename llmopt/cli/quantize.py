@@ -18,7 +18,7 @@ from llmopt.calibration.samples import CalibConfig, calibration_tokens
 from llmopt.calibration.self_text import generate_samples, tokens_sha256
 from llmopt.calibration.text import SELF, read_texts
 from llmopt.cli.common import DeviceOpt, ForceOpt, ShardSizeOpt, JsonOpt, VerboseOpt, emit_json, err, out, settings
-from llmopt.device import resolve_device
+from llmopt.device import CALIB_DTYPES, resolve_calib_dtype, resolve_device
 from llmopt.errors import InputError
 from llmopt.formats.atomic import atomic_output_file
 from llmopt.formats.gptq import check_gptq_spec, write_quantized
@@ -49,7 +49,7 @@ def quantize_command(
     group_size: Annotated[int, typer.Option("--group-size", help="Columns per scale: >0 per group, -1 per output channel, 0 per tensor (rtn).")] = 128,
     sym: Annotated[bool, typer.Option("--sym/--asym", help="Symmetric grid (no zero point) or asymmetric (zero point per group).")] = True,
     act_order: Annotated[bool, typer.Option("--act-order", help="GPTQ: quantize columns by decreasing activation energy (desc_act).")] = False,
-    group_aware: Annotated[bool, typer.Option("--group-aware-order", help="GPTQ: act-order inside contiguous groups (GPTQModel's act_group_aware; no g_idx).")] = False,
+    group_aware: Annotated[Optional[bool], typer.Option("--group-aware-order/--no-group-aware-order", help="GPTQ: act-order inside contiguous groups (GPTQModel's act_group_aware; no g_idx). On by default with groups, unless --act-order or --static-groups.", show_default=False)] = None,
     static_groups: Annotated[bool, typer.Option("--static-groups", help="GPTQ: choose group scales before quantizing (keeps groups contiguous under --act-order).")] = False,
     damp: Annotated[float, typer.Option("--damp", help="GPTQ: dampening, a fraction of the mean Hessian diagonal (raised automatically if needed).")] = 0.01,
     mse: Annotated[bool, typer.Option("--mse", help="Search a clipping range per group instead of min/max.")] = False,
@@ -60,6 +60,7 @@ def quantize_command(
     nsamples: Annotated[int, typer.Option("--nsamples", help="Calibration samples.")] = 128,
     seqlen: Annotated[int, typer.Option("--seqlen", help="Tokens per calibration sample.")] = 512,
     seed: Annotated[int, typer.Option("--seed", help="Seed for sampling windows (and for --calib self).")] = 0,
+    calib_dtype: Annotated[str, typer.Option("--calib-dtype", help=f"GPTQ: dtype of the calibration forward ({' | '.join(CALIB_DTYPES)}); auto = bfloat16 where the device has it natively, else float32. Hessians and weights stay float32.")] = "auto",
     fmt: Annotated[Format, typer.Option("--format", help="gptq: packed GPTQ checkpoint; dense: dequantized float16 weights.")] = Format.gptq,
     quantize_head: Annotated[bool, typer.Option("--quantize-head", help="Quantize the LM head too (embeddings and norms never are).")] = False,
     report: Annotated[Optional[Path], typer.Option("--report", help="Write per-layer error metrics as JSON to this file.")] = None,
@@ -77,8 +78,11 @@ def quantize_command(
     _check_output(output, force)
     if report is not None and report.expanduser().is_dir():
         raise InputError(f"--report {report}: is a directory")
+    if method == Method.rtn and calib_dtype != "auto":
+        raise InputError("--calib-dtype applies to --method gptq; rtn runs no calibration forward")
     spec = build_spec(method.value, bits, group_size, sym, act_order, static_groups, damp, mse, fmt.value, quantize_head, batch_size,
-                      refit_scales=refit_scales, gptaq=gptaq, group_aware=group_aware)
+                      refit_scales=refit_scales, gptaq=gptaq, group_aware=group_aware,
+                      act_dtype=resolve_calib_dtype(calib_dtype, dev))
     start = time.perf_counter()
     with open_model(model) as source:
         check_shapes(source, spec)
@@ -93,7 +97,8 @@ def quantize_command(
             g = spec.gptq
             provenance["gptq"] = {"damp": g.damp, "act_order": g.act_order, "group_aware_order": g.group_aware,
                                   "static_groups": g.static_groups, "mse": g.mse,
-                                  "refit_scales": g.refit_scales, "gptaq": g.fp_target}
+                                  "refit_scales": g.refit_scales, "gptaq": g.fp_target,
+                                  "calib_dtype": str(spec.act_dtype).removeprefix("torch.")}
         blocks_total = source.arch.num_layers + (1 if quantize_head else 0)
         reports: list[LayerReport] = []
         timings: list[dict[str, Any]] = []
@@ -129,12 +134,15 @@ def quantize_command(
 
 def build_spec(method: str, bits: int, group_size: int, sym: bool, act_order: bool, static_groups: bool,
                damp: float, mse: bool, fmt: str, quantize_head: bool, batch_size: int = 8, *,
-               refit_scales: bool = False, gptaq: float = 0.0, group_aware: bool = False) -> QuantizeSpec:
+               refit_scales: bool = False, gptaq: float = 0.0, group_aware: bool | None = False,
+               act_dtype: torch.dtype = torch.float32) -> QuantizeSpec:
     """Validate the options and turn them into the typed configs the algorithms take."""
     if not 2 <= bits <= 8:
         raise InputError(f"--bits {bits}: choose 2 to 8")
     if group_size < -1:
         raise InputError(f"--group-size {group_size}: use a positive size, -1 (per channel) or 0 (per tensor)")
+    if group_aware is None:  # GPTQModel's default too: it costs nothing and the format is unchanged
+        group_aware = method == "gptq" and group_size > 0 and not (act_order or static_groups)
     zero_min = 1 if fmt == "gptq" and not sym else 0  # GPTQ v1 stores zero-1: a zero of 0 would wrap
     if method == "rtn":
         if act_order or static_groups or refit_scales or gptaq or group_aware:
@@ -153,7 +161,7 @@ def build_spec(method: str, bits: int, group_size: int, sym: bool, act_order: bo
             raise InputError(f"--gptaq {gptaq}: choose a strength in [0, 1] (0 = off)")
         cfg = GPTQConfig(bits, group_size, sym, act_order, static_groups, damp, mse=mse, zero_min=zero_min,
                          refit_scales=refit_scales, fp_target=gptaq, group_aware=group_aware)
-        spec = QuantizeSpec("gptq", gptq=cfg, quantize_head=quantize_head, batch_size=batch_size)
+        spec = QuantizeSpec("gptq", gptq=cfg, quantize_head=quantize_head, batch_size=batch_size, act_dtype=act_dtype)
     if fmt == "gptq":
         check_gptq_spec(spec)
     return spec

@@ -13,12 +13,19 @@ Linears that share an input (q/k/v, gate/up) share one Hessian and are quantized
 matrix, which is the same computation (GPTQ treats rows independently) done once.
 RTN needs no data: each block's linears are rounded as they stream by.
 
+The residual stream and every Hessian stay float32. The matrix products and attention of the
+calibration forward run in `act_dtype`: float32, or bfloat16 where the hardware multiplies it
+natively (about 3× faster on an AVX-512 BF16 CPU, and what GPTQModel uses on CPU). The weights
+GPTQ quantizes are always the source's, read in float32; a bfloat16 copy of the block only
+carries the forward.
+
 `quantize_model` yields one `BlockResult` per block (then one for the head when asked), so a
 writer can stream results to disk and drop them.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -54,6 +61,7 @@ class QuantizeSpec:
     quantize_head: bool = False
     batch_size: int = 8  # calibration samples per forward chunk
     keep_bytes: int = 2 << 30  # keep the MLP activations between passes when they take at most this
+    act_dtype: torch.dtype = torch.float32  # the calibration forward's products; Hessians stay float32
 
     @property
     def bits(self) -> int:
@@ -112,6 +120,7 @@ def _rtn_blocks(source: ModelSource, spec: QuantizeSpec, device: torch.device) -
             name = module_name(layer, linear)
             w = source.load(f"{name}.weight", dtype=torch.float32).to(device)
             _record(result, name, w, rtn_quantize(w, spec.rtn))
+        source.release_pages()
         result.seconds = time.perf_counter() - start
         yield result
     if spec.quantize_head:
@@ -156,57 +165,65 @@ def _gptq_blocks(source: ModelSource, spec: QuantizeSpec, tokens: torch.Tensor, 
     x = embed(source, tokens, torch.float32, device)  # [n, t, hidden]: the current block's inputs
     x_fp = x.clone() if spec.gptq.fp_target > 0 else None  # the same, through the unquantized model
     n, t = tokens.shape
-    cos, sin = Rotary(arch).to(device)(0, t, torch.float32)
+    dt = spec.act_dtype
+    cos, sin = Rotary(arch).to(device)(0, t, dt)
     bs = max(1, spec.batch_size)
     for layer in range(arch.num_layers):
         start = time.perf_counter()
-        block = load_block(source, layer, torch.float32, device)
+        block = load_block(source, layer, torch.float32, device)  # the weights GPTQ quantizes
+        run = block if dt == torch.float32 else copy.deepcopy(block).to(dt)  # the one the forward uses
         result = BlockResult(layer, {})
-        fp = _fp_stage_inputs(block, x_fp, cos, sin, bs) if x_fp is not None else None
+        fp = _fp_stage_inputs(block, run, x_fp, cos, sin, bs) if x_fp is not None else None
         cross = fp is not None
+
+        def attn_input(s: slice) -> torch.Tensor:
+            return block.input_layernorm(x[s]).to(dt)
+
+        def mlp_input(s: slice) -> torch.Tensor:
+            return block.post_attention_layernorm(x[s]).to(dt)
 
         # q, k, v: inputs are the normed block inputs
         acc = HessianAccumulator(arch.hidden_size, device, cross)
         for s in _chunks(n, bs):
-            acc.add(block.input_layernorm(x[s]), fp and fp[0][s])
-        _quantize_stage(block, layer, STAGES[0], acc, spec.gptq, result)
+            acc.add(attn_input(s), fp and fp[0][s])
+        _quantize_stage(block, run, layer, STAGES[0], acc, spec.gptq, result)
         del acc
 
         # o: inputs are the attention outputs with quantized q/k/v
-        attn_out = torch.empty(n, t, arch.num_heads * arch.head_dim, dtype=x.dtype, device=device)
+        attn_out = torch.empty(n, t, arch.num_heads * arch.head_dim, dtype=dt, device=device)
         acc = HessianAccumulator(attn_out.shape[-1], device, cross)
         for s in _chunks(n, bs):
-            attn_out[s] = _o_proj_input(block, block.input_layernorm(x[s]), cos, sin)
+            attn_out[s] = _o_proj_input(run, attn_input(s), cos, sin)
             acc.add(attn_out[s], fp and fp[1][s])
-        _quantize_stage(block, layer, STAGES[1], acc, spec.gptq, result)
+        _quantize_stage(block, run, layer, STAGES[1], acc, spec.gptq, result)
         for s in _chunks(n, bs):
-            x[s] += block.self_attn.o_proj(attn_out[s])  # x now holds the post-attention residual
+            x[s] += run.self_attn.o_proj(attn_out[s])  # x now holds the post-attention residual
         del attn_out, acc
 
         # gate, up: inputs are the normed post-attention residual
         acc = HessianAccumulator(arch.hidden_size, device, cross)
         for s in _chunks(n, bs):
-            acc.add(block.post_attention_layernorm(x[s]), fp and fp[2][s])
-        _quantize_stage(block, layer, STAGES[2], acc, spec.gptq, result)
+            acc.add(mlp_input(s), fp and fp[2][s])
+        _quantize_stage(block, run, layer, STAGES[2], acc, spec.gptq, result)
         del acc
 
         # down: inputs are silu(gate)·up with the quantized gate/up (kept for the outputs when they fit)
         acc = HessianAccumulator(arch.intermediate_size, device, cross)
-        mlp = block.mlp
-        keep = n * t * arch.intermediate_size * 4 <= spec.keep_bytes
-        act = torch.empty(n, t, arch.intermediate_size, dtype=x.dtype, device=device) if keep else None
+        mlp = run.mlp
+        keep = n * t * arch.intermediate_size * dt.itemsize <= spec.keep_bytes
+        act = torch.empty(n, t, arch.intermediate_size, dtype=dt, device=device) if keep else None
         for s in _chunks(n, bs):
-            h = block.post_attention_layernorm(x[s])
+            h = mlp_input(s)
             m = F.silu(mlp.gate_proj(h)) * mlp.up_proj(h)
             acc.add(m, fp and fp[3][s])
             if act is not None:
                 act[s] = m
-        _quantize_stage(block, layer, STAGES[3], acc, spec.gptq, result)
+        _quantize_stage(block, run, layer, STAGES[3], acc, spec.gptq, result)
         del acc, fp
 
         for s in _chunks(n, bs):  # the block's outputs with every weight quantized
-            x[s] += mlp.down_proj(act[s]) if act is not None else mlp(block.post_attention_layernorm(x[s]))
-        del block, act
+            x[s] += mlp.down_proj(act[s]) if act is not None else mlp(mlp_input(s))
+        del block, run, act
         result.seconds = time.perf_counter() - start
         yield result
 
@@ -228,21 +245,21 @@ def _gptq_blocks(source: ModelSource, spec: QuantizeSpec, tokens: torch.Tensor, 
         yield result
 
 
-def _fp_stage_inputs(block: Block, x_fp: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def _fp_stage_inputs(block: Block, run: Block, x_fp: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      bs: int) -> list[torch.Tensor]:
-    """What q/k/v, o, gate/up and down receive in the full-precision model (block still unquantized);
-    `x_fp` is advanced in place to the block's full-precision outputs."""
+    """What q/k/v, o, gate/up and down receive in the full-precision model (block still unquantized;
+    `run` is its forward copy); `x_fp` is advanced in place to the block's full-precision outputs."""
     n, t, _ = x_fp.shape
-    attn = block.self_attn
-    inputs = [torch.empty_like(x_fp), torch.empty(n, t, attn.n_heads * attn.head_dim, dtype=x_fp.dtype, device=x_fp.device),
-              torch.empty_like(x_fp), torch.empty(n, t, block.mlp.down_proj.in_features, dtype=x_fp.dtype, device=x_fp.device)]
+    dt, attn = cos.dtype, run.self_attn
+    widths = (x_fp.shape[-1], attn.n_heads * attn.head_dim, x_fp.shape[-1], run.mlp.down_proj.in_features)
+    inputs = [torch.empty(n, t, w, dtype=dt, device=x_fp.device) for w in widths]
     for s in _chunks(n, bs):
-        inputs[0][s] = h = block.input_layernorm(x_fp[s])
-        inputs[1][s] = o = _o_proj_input(block, h, cos, sin)
+        inputs[0][s] = h = block.input_layernorm(x_fp[s]).to(dt)
+        inputs[1][s] = o = _o_proj_input(run, h, cos, sin)
         x_fp[s] += attn.o_proj(o)
-        inputs[2][s] = h = block.post_attention_layernorm(x_fp[s])
-        inputs[3][s] = m = F.silu(block.mlp.gate_proj(h)) * block.mlp.up_proj(h)
-        x_fp[s] += block.mlp.down_proj(m)
+        inputs[2][s] = h = block.post_attention_layernorm(x_fp[s]).to(dt)
+        inputs[3][s] = m = F.silu(run.mlp.gate_proj(h)) * run.mlp.up_proj(h)
+        x_fp[s] += run.mlp.down_proj(m)
     return inputs
 
 
@@ -257,9 +274,10 @@ def _o_proj_input(block: Block, h: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return seen[0]
 
 
-def _quantize_stage(block: Block, layer: int, linears: tuple[str, ...], acc: HessianAccumulator,
+def _quantize_stage(block: Block, run: Block, layer: int, linears: tuple[str, ...], acc: HessianAccumulator,
                     cfg: GPTQConfig, result: BlockResult) -> None:
-    """GPTQ on the linears of one stage (stacked: they share `hessian`), then load the quantized weights."""
+    """GPTQ on the linears of one stage (stacked: they share `hessian`), then load the quantized weights
+    into `block` and its forward copy `run`."""
     modules = [block.get_submodule(name) for name in linears]
     weights = [m.weight.data for m in modules]
     stacked = torch.cat(weights, dim=0) if len(weights) > 1 else weights[0]
@@ -274,3 +292,5 @@ def _quantize_stage(block: Block, layer: int, linears: tuple[str, ...], acc: Hes
                                None if qt.zeros is None else qt.zeros[rows], None, qt.g_idx, qt.grid)
         deq = _record(result, module_name(layer, name), w, part, float(r.row_loss[rows].sum()), r.damp)
         m.weight.data = deq.to(m.weight.dtype)
+        if run is not block:
+            run.get_submodule(name).weight.data = deq.to(run.get_submodule(name).weight.dtype)

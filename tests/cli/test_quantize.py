@@ -73,11 +73,12 @@ def test_calib_self_default(llmopt_inprocess, tiny_models, tmp_path) -> None:
 def test_gptaq_and_refit_scales_are_recorded(llmopt_inprocess, tiny_models, tmp_path) -> None:
     out = tmp_path / "aq"
     r = llmopt_inprocess("quantize", tiny_models("llama"), "--group-size", "32", "--nsamples", "2", "--seqlen", "16",
-                         "--asym", "--act-order", "--mse", "--refit-scales", "--gptaq", "0.25", "-o", out)
+                         "--asym", "--act-order", "--mse", "--refit-scales", "--gptaq", "0.25", "--calib-dtype", "float32",
+                         "-o", out)
     assert r.returncode == 0, r.stderr
     gptq = json.loads((out / "config.json").read_text())["llmopt"]["gptq"]
     assert gptq == {"damp": 0.01, "act_order": True, "group_aware_order": False, "static_groups": False, "mse": True,
-                    "refit_scales": True, "gptaq": 0.25}
+                    "refit_scales": True, "gptaq": 0.25, "calib_dtype": "float32"}
 
 
 @pytest.mark.parametrize("args, expect", [
@@ -93,6 +94,8 @@ def test_gptaq_and_refit_scales_are_recorded(llmopt_inprocess, tiny_models, tmp_
     (["--group-aware-order", "--act-order"], "choose one"),
     (["--gptaq", "1.5"], "--gptaq 1.5: choose a strength in [0, 1]"),
     (["--device", "tpu"], "bad --device"),
+    (["--calib-dtype", "int8"], "bad --calib-dtype 'int8'"),
+    (["--method", "rtn", "--calib-dtype", "bfloat16"], "--calib-dtype applies to --method gptq"),
 ])
 def test_bad_input(llmopt_inprocess, tiny_models, tmp_path, args, expect) -> None:
     empty = tmp_path / "empty.txt"
@@ -113,3 +116,20 @@ def test_existing_output_is_refused_before_work(llmopt_inprocess, tiny_models, t
     r = llmopt_inprocess("quantize", tiny_models("llama"), "--method", "rtn", "--group-size", "32", "-o", out)
     assert_clean_failure(r, "already exists")
     assert (out / "keep").read_text() == "x"
+
+
+@pytest.mark.parametrize("kwargs, expect", [
+    ({}, True),  # GPTQModel's default: act-order inside contiguous groups
+    ({"act_order": True}, False),
+    ({"static_groups": True}, False),
+    ({"group_size": -1}, False),
+    ({"group_aware": False}, False),
+])
+def test_group_aware_order_is_the_default_with_groups(kwargs, expect) -> None:
+    from llmopt.cli.quantize import build_spec
+
+    args = dict(method="gptq", bits=4, group_size=128, sym=True, act_order=False, static_groups=False, damp=0.01,
+                mse=False, fmt="gptq", quantize_head=False, group_aware=None)
+    args.update(kwargs)
+    spec = build_spec(**args)
+    assert spec.gptq is not None and spec.gptq.group_aware is expect

@@ -95,3 +95,32 @@ def test_rtn_needs_no_data_and_streams_blocks(tiny_models) -> None:
     assert [r.layer for r in results] == [0, 1]
     assert all(len(r.tensors) == 7 and len(r.reports) == 7 for r in results)
     assert all(r.reports[0].metrics["sqnr_db"] > 15 for r in results)
+
+
+@pytest.mark.parametrize("fp_target", [0.0, 0.25])
+def test_bfloat16_forward_quantizes_the_source_weights(tmp_path, monkeypatch, fp_target) -> None:
+    """With a bfloat16 calibration forward, GPTQ still gets the source's exact weights, and float32
+    Hessians close to the float32 forward's."""
+    calls: dict[torch.dtype, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+    real = pipeline.gptq_quantize
+    source_dir = make_tiny_hf(tmp_path / "src", "llama", dtype=torch.float16)
+    with open_model(source_dir) as src:
+        tokens = _tokens(src)
+        for dt in (torch.float32, torch.bfloat16):
+            seen = calls.setdefault(dt, {})
+
+            def spy(weight, hessian, cfg, name="", cross=None, seen=seen):
+                seen[name] = (weight.clone(), hessian.clone())
+                return real(weight, hessian, cfg, name, cross)
+
+            monkeypatch.setattr(pipeline, "gptq_quantize", spy)
+            spec = QuantizeSpec("gptq", gptq=GPTQConfig(4, 32, True, fp_target=fp_target), batch_size=4, act_dtype=dt)
+            list(quantize_model(src, spec, tokens))
+    full, half = calls[torch.float32], calls[torch.bfloat16]
+    assert set(full) == set(half) and len(full) == 8
+    for name, (w, h) in full.items():
+        w_bf, h_bf = half[name]
+        assert w_bf.dtype == torch.float32 and torch.equal(w_bf, w), name
+        assert h_bf.dtype == torch.float32
+        if name.startswith("model.layers.0."):  # later blocks see inputs that earlier rounding choices changed
+            assert torch.allclose(h_bf, h, atol=0.05 * float(h.abs().max())), name

@@ -38,10 +38,20 @@ CONFIGS: dict[str, list[str]] = {
                              "--group-aware-order"],
     "gptq-w3-g128-sym-gar": ["--method", "gptq", "--bits", "3", "--group-size", "128", "--sym", "--damp", "0.05",
                              "--group-aware-order"],
-    # classic GPTQ order (what the issue's gptqmodel numbers were compared with before)
-    "gptq-w4-g128-sym": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--sym", "--damp", "0.05"],
-    "gptq-w3-g128-sym": ["--method", "gptq", "--bits", "3", "--group-size", "128", "--sym", "--damp", "0.05"],
-    "gptq-w4-g128-asym": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--asym"],
+    # the same checkpoint format (sym, g128, no g_idx), plus llmopt's clipping search
+    "gptq-w4-g128-sym-gar-mse": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--sym", "--damp", "0.05",
+                                 "--group-aware-order", "--mse"],
+    "gptq-w3-g128-sym-gar-mse": ["--method", "gptq", "--bits", "3", "--group-size", "128", "--sym", "--damp", "0.05",
+                                 "--group-aware-order", "--mse"],
+    # classic GPTQ column order (what the issue's gptqmodel numbers were compared with before)
+    "gptq-w4-g128-sym": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--sym", "--damp", "0.05",
+                         "--no-group-aware-order"],
+    "gptq-w3-g128-sym": ["--method", "gptq", "--bits", "3", "--group-size", "128", "--sym", "--damp", "0.05",
+                         "--no-group-aware-order"],
+    # the float32 calibration forward, for its cost and effect
+    "gptq-w4-g128-sym-gar-fp32": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--sym", "--damp", "0.05",
+                                  "--group-aware-order", "--calib-dtype", "float32"],
+    "gptq-w4-g128-asym": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--asym", "--no-group-aware-order"],
     "gptq-w4-g128-asym-act-mse": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--asym", "--act-order", "--mse"],
     "gptq-w4-g128-asym-act-static-mse": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--asym", "--act-order", "--static-groups", "--mse"],
     "gptq-w3-g128-asym-act-mse": ["--method", "gptq", "--bits", "3", "--group-size", "128", "--asym", "--act-order", "--mse"],
@@ -52,10 +62,11 @@ CONFIGS: dict[str, list[str]] = {
                                               "--mse", "--refit-scales", "--gptaq", "0.25"],
     "gptq-w4-g128-asym-act-mse-refit-self": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--asym", "--act-order",
                                              "--mse", "--refit-scales", "--calib", "self"],
-    "gptq-w4-g128-sym-self": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--sym", "--damp", "0.05", "--calib", "self"],
+    "gptq-w4-g128-sym-gar-self": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--sym", "--damp", "0.05",
+                                  "--group-aware-order", "--calib", "self"],
 }
 DEFAULT = ["rtn-w4-g128-sym", "rtn-w4-g128-asym", "rtn-w3-g128-sym", "gptq-w4-g128-sym-gar", "gptq-w3-g128-sym-gar",
-           "gptq-w4-g128-asym-act-mse", "gptq-w4-g128-asym-act-mse-refit"]
+           "gptq-w4-g128-sym-gar-mse", "gptq-w3-g128-sym-gar-mse", "gptq-w4-g128-asym-act-mse-refit"]
 
 GPTQMODEL_SNIPPET = r"""
 import sys, time, json, random

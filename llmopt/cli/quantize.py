@@ -89,7 +89,7 @@ def quantize_command(
         calib_cfg = CalibConfig(calib or SELF, calib_field, nsamples, seqlen, seed)
         tokens, calib_info = (None, None)
         if method == Method.gptq:
-            tokens, calib_info = load_calibration(source, calib_cfg, dev, show=not opts.json)
+            tokens, calib_info = load_calibration(source, calib_cfg, dev, show=not opts.json, dtype=spec.act_dtype)
         elif calib is not None:
             raise InputError("--calib applies to --method gptq; rtn needs no data")
         provenance: dict[str, Any] = {"method": method.value, "calibration": calib_info}
@@ -182,7 +182,8 @@ def check_shapes(source: ModelSource, spec: QuantizeSpec) -> None:
                              f"{name.removesuffix('.weight').replace('model.layers.0.', '')}")
 
 
-def load_calibration(source: ModelSource, cfg: CalibConfig, device: torch.device, show: bool = True) -> tuple[torch.Tensor, dict[str, Any]]:
+def load_calibration(source: ModelSource, cfg: CalibConfig, device: torch.device, show: bool = True,
+                     dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, dict[str, Any]]:
     """Token samples for GPTQ, and what to record about them."""
     info: dict[str, Any] = {"source": cfg.source, "nsamples": cfg.nsamples, "seqlen": cfg.seqlen, "seed": cfg.seed}
     if cfg.nsamples < 1 or cfg.seqlen < 2:
@@ -194,7 +195,7 @@ def load_calibration(source: ModelSource, cfg: CalibConfig, device: torch.device
                       transient=True, disable=not show) as progress:
             task = progress.add_task("self", total=1)
             tokens = generate_samples(source, cfg.nsamples, cfg.seqlen, cfg.seed, device,
-                                      on_step=lambda d, t: progress.update(task, completed=d, total=t))
+                                      on_step=lambda d, t: progress.update(task, completed=d, total=t), dtype=dtype)
         info["sha256"] = tokens_sha256(tokens)
         return tokens, info
     text = read_texts(cfg.source, cfg.field)

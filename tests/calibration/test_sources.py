@@ -89,3 +89,10 @@ def test_self_generated_samples_are_reproducible(tiny_models) -> None:
         specials = {src.tokenizer().token_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
     assert a.shape == (3, 20) and torch.equal(a, b) and not torch.equal(a, c)
     assert not set(a.flatten().tolist()) & specials
+
+
+def test_self_samples_generate_in_bfloat16(tiny_models) -> None:
+    with open_model(tiny_models("llama")) as src:
+        a = generate_samples(src, 3, 20, seed=0, batch_size=2, dtype=torch.bfloat16)
+        b = generate_samples(src, 3, 20, seed=0, batch_size=2, dtype=torch.bfloat16)
+    assert a.shape == (3, 20) and a.dtype == torch.int64 and torch.equal(a, b)

@@ -2,11 +2,11 @@
 
 Random Llama models at twice SmolLM2's width (hidden 1152, FFN 3072, 18/6 heads), 12 and 24
 layers, written as sharded fp16 safetensors; each is quantized with GPTQ w4 g128 in its own
-process and the child's peak RSS is reported, split by polling /proc: anonymous memory (what the
-process allocates: activations, one block, Hessians) and file-backed pages (the safetensors source
-is memory-mapped, and pages read stay counted in RSS while mapped, although the kernel can drop
-them at any time). With one block resident, the anonymous peaks should differ by little while the
-models differ by ~325 MiB of fp16 weights.
+process and the child's peak RSS is reported (the kernel's ru_maxrss for that child), and split by
+polling /proc: anonymous memory (what the process allocates: activations, one block, Hessians) and
+file-backed pages (the memory-mapped safetensors source; llmopt releases them after each block).
+With one block resident, the peaks should differ by little while the models differ by ~325 MiB of
+fp16 weights.
 
 Usage: python benchmarks/gptq_memory.py [--layers 12 24] [--nsamples 8 --seqlen 256]
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
 import subprocess
 import sys
 import tempfile
@@ -107,13 +107,15 @@ def main() -> None:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
         peak_anon = peak_file = 0
-        while proc.poll() is None:
+        while True:
+            done, status, usage = os.wait4(proc.pid, os.WNOHANG)  # this child's own rusage, once it ends
+            if done:
+                break
             anon, file = rss_parts(proc.pid)
             peak_anon, peak_file = max(peak_anon, anon), max(peak_file, file)
             time.sleep(0.05)
-        if proc.returncode != 0:
+        if os.waitstatus_to_exitcode(status) != 0:
             sys.exit(proc.stderr.read().decode()[-3000:])
-        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
         rows.append({"layers": layers, "weights_mib": round(weights / 2**20), "peak_anon_mib": round(peak_anon / 1024),
                      "peak_file_mib": round(peak_file / 1024), "peak_rss_mib": round(usage.ru_maxrss / 1024),
                      "seconds": round(time.perf_counter() - start, 1)})
@@ -122,7 +124,7 @@ def main() -> None:
         model_grow = rows[-1]["weights_mib"] - rows[0]["weights_mib"]
         print(f"weights grew {model_grow} MiB; peak anonymous memory grew {rows[-1]['peak_anon_mib'] - rows[0]['peak_anon_mib']} MiB, "
               f"peak file-backed (mapped source) {rows[-1]['peak_file_mib'] - rows[0]['peak_file_mib']} MiB, "
-              f"peak RSS (both; largest child so far) {rows[-1]['peak_rss_mib'] - rows[0]['peak_rss_mib']} MiB")
+              f"peak RSS (both, the kernel's ru_maxrss) {rows[-1]['peak_rss_mib'] - rows[0]['peak_rss_mib']} MiB")
     print(json.dumps({"benchmark": "gptq_memory", "rows": rows}))
 
 

@@ -33,7 +33,6 @@ from llmopt.model.arch import ArchSpec
 from llmopt.model.families.base import permute_for_gguf
 from llmopt.model.source import ModelSource
 from llmopt.quant.grids import quantize
-from llmopt.memory import release_file_pages
 from llmopt.quant.grids.layout import single_threaded_ops
 
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION: the block layouts written here
@@ -161,7 +160,7 @@ def encode_tensor(source: ModelSource, planned: PlannedTensor, importance: torch
     try:
         return _encode(source, planned, raw.to(torch.float32) if raw.is_floating_point() else raw, importance)
     finally:
-        release_file_pages(raw)
+        source.release_pages()  # the file pages it was read from need not stay resident
 
 
 def _encode(source: ModelSource, planned: PlannedTensor, weight: torch.Tensor,

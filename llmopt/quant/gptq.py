@@ -153,7 +153,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, 
             g = col_group_cpu[c]
             if static is None:
                 if c == 0 or g != col_group_cpu[c - 1]:  # a group starts: its parameters from the current weights
-                    end = min(c + gs, cols) if not group_aware else min((g + 1) * gs, cols) - g * gs + c
+                    end = c + min((g + 1) * gs, cols) - g * gs  # c plus the group's width
                     current = w_blk[:, i:] if end <= b1 else torch.cat([w_blk[:, i:], w[:, b1:end]], dim=1)
                     scale, zero = grid.params(current[:, : end - c], None if energy is None else energy[c:end])
                     scales[:, g], zeros[:, g] = scale, zero

@@ -276,8 +276,8 @@ def _o_proj_input(block: Block, h: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 def _quantize_stage(block: Block, run: Block, layer: int, linears: tuple[str, ...], acc: HessianAccumulator,
                     cfg: GPTQConfig, result: BlockResult) -> None:
-    """GPTQ on the linears of one stage (stacked: they share `hessian`), then load the quantized weights
-    into `block` and its forward copy `run`."""
+    """GPTQ on the linears of one stage (stacked: they share `acc`'s Hessian), then load the quantized
+    weights into `block` and its forward copy `run`."""
     modules = [block.get_submodule(name) for name in linears]
     weights = [m.weight.data for m in modules]
     stacked = torch.cat(weights, dim=0) if len(weights) > 1 else weights[0]
@@ -293,4 +293,5 @@ def _quantize_stage(block: Block, run: Block, layer: int, linears: tuple[str, ..
         deq = _record(result, module_name(layer, name), w, part, float(r.row_loss[rows].sum()), r.damp)
         m.weight.data = deq.to(m.weight.dtype)
         if run is not block:
-            run.get_submodule(name).weight.data = deq.to(run.get_submodule(name).weight.dtype)
+            copy_weight = run.get_submodule(name).weight
+            copy_weight.data = deq.to(copy_weight.dtype)

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from llmopt.calibration.samples import CalibConfig, calibration_tokens, random_windows
-from llmopt.calibration.self_text import generate_samples
+from llmopt.calibration.self_text import GREEDY_STEPS, document_layout, generate_samples, special_token_ids
 from llmopt.calibration.text import read_texts
 from llmopt.errors import InputError
 from llmopt.model import open_model
+from llmopt.model.decoder import Decoder
 
 
 def test_txt_jsonl_parquet_give_the_same_documents(tmp_path) -> None:
@@ -96,3 +97,29 @@ def test_self_samples_generate_in_bfloat16(tiny_models) -> None:
         a = generate_samples(src, 3, 20, seed=0, batch_size=2, dtype=torch.bfloat16)
         b = generate_samples(src, 3, 20, seed=0, batch_size=2, dtype=torch.bfloat16)
     assert a.shape == (3, 20) and a.dtype == torch.int64 and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("seqlen, layout", [(512, (4, 128)), (300, (3, 100)), (129, (2, 65)), (100, (1, 100))])
+def test_rows_hold_as_few_documents_as_fit(seqlen, layout) -> None:
+    assert document_layout(seqlen) == layout
+
+
+@torch.no_grad()
+def test_each_packed_document_starts_afresh(tiny_models) -> None:
+    """Every document in a row restarts: its first GREEDY_STEPS tokens are the model's greedy
+    continuation of its own first token alone, not of the row so far."""
+    with open_model(tiny_models("llama")) as src:
+        rows = generate_samples(src, 2, 300, seed=0, batch_size=4)
+        model = Decoder.from_source(src)
+        banned = sorted(special_token_ids(src))
+    per_row, doc_len = document_layout(300)
+    assert rows.shape == (2, 300)
+    for row in rows:
+        for d in range(per_row):
+            doc = row[d * doc_len:(d + 1) * doc_len]
+            greedy = doc[:1]
+            for _ in range(GREEDY_STEPS):
+                logits = model(greedy[None])[0, -1]
+                logits[banned] = -float("inf")
+                greedy = torch.cat([greedy, logits.argmax().view(1)])
+            assert torch.equal(greedy, doc[:GREEDY_STEPS + 1])

@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.proc_status import status_kib  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------ jobs
@@ -74,12 +75,9 @@ def job_perplexity(model: str, text: str, chunks: int, threads: int) -> dict:
 
 
 def peak_rss_mb() -> float:
-    """This process's peak RSS: VmHWM, since Linux's ru_maxrss carries over the parent's peak
-    through fork+exec (every job would report at least the driver's RSS)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak RSS (VmHWM; see benchmarks/proc_status.py), ru_maxrss where /proc is absent."""
+    hwm = status_kib().get("VmHWM")
+    return hwm / 1024 if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def run_job(*args: str) -> dict:

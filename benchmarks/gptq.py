@@ -25,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.proc_status import status_kib  # noqa: E402
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
 
 # name -> llmopt quantize options
@@ -118,24 +119,13 @@ def _timed(cmd: list[str]) -> dict:
         proc = subprocess.Popen(cmd, stdout=stdout, stderr=log, text=True, cwd=ROOT, env=env)
         peak_kib = 0
         while proc.poll() is None:
-            peak_kib = max(peak_kib, _hwm_kib(proc.pid))
+            peak_kib = max(peak_kib, status_kib(proc.pid).get("VmHWM", 0))
             time.sleep(0.1)
         if proc.returncode != 0:
             log.seek(0)
             sys.exit(f"{' '.join(cmd[:6])} failed:\n{log.read()[-3000:]}")
         stdout.seek(0)
         return {"seconds": round(time.perf_counter() - start, 1), "peak_rss_mib": round(peak_kib / 1024), "stdout": stdout.read()}
-
-
-def _hwm_kib(pid: int) -> int:
-    """The process's peak resident set so far (VmHWM, KiB), 0 when it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.proc_status import status_kib  # noqa: E402
 
 
 def write_random_model(directory: Path, layers: int, hidden: int = 1152, ffn: int = 3072, heads: int = 18, kv: int = 6) -> None:
@@ -75,16 +76,6 @@ def write_random_model(directory: Path, layers: int, hidden: int = 1152, ffn: in
         "torch_dtype": "float16"}))
 
 
-def rss_parts(pid: int) -> tuple[int, int]:
-    """(RssAnon, RssFile) of a process in KiB, from /proc/PID/status (0, 0 once it is gone)."""
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return 0, 0
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    return (int(fields.get("RssAnon", "0 kB").split()[0]), int(fields.get("RssFile", "0 kB").split()[0]))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", nargs="*", type=int, default=[12, 24])
@@ -111,7 +102,8 @@ def main() -> None:
             done, status, usage = os.wait4(proc.pid, os.WNOHANG)  # this child's own rusage, once it ends
             if done:
                 break
-            anon, file = rss_parts(proc.pid)
+            counters = status_kib(proc.pid)
+            anon, file = counters.get("RssAnon", 0), counters.get("RssFile", 0)
             peak_anon, peak_file = max(peak_anon, anon), max(peak_file, file)
             time.sleep(0.05)
         if os.waitstatus_to_exitcode(status) != 0:

@@ -88,6 +88,8 @@ def test_gptaq_and_refit_scales_are_recorded(llmopt_inprocess, tiny_models, tmp_
     (["--method", "gptq", "--group-size", "0"], "per tensor"),
     (["--calib", "NOWHERE/x.txt"], "no such file"),
     (["--calib", "EMPTY"], "holds no text"),
+    (["--calib-field", "text"], "--calib-field applies to .jsonl and .parquet files"),  # with the default --calib self
+    (["--seqlen", "1"], "need at least 1 sample of 2 tokens"),
     (["--damp", "1.5"], "--damp"),
     (["--method", "rtn", "--act-order"], "apply to --method gptq"),
     (["--method", "rtn", "--refit-scales"], "apply to --method gptq"),

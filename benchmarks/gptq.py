@@ -10,6 +10,10 @@ project's torch (see benchmarks/gptq_interop.py for the recipe); pass --gptqmode
 Usage:
   python benchmarks/gptq.py                         # the default table of llmopt configs
   python benchmarks/gptq.py --configs gptq-w4-g128-sym rtn-w4-g128-sym --gptqmodel-python /tmp/gqvenv/bin/python
+  python benchmarks/gptq.py --configs gptq-w4-g128-sym-gar --seeds 0 1 2 --gptqmodel-python ... --gptqmodel-bits 4
+
+GPTQ's result moves by a few percent with the calibration windows (and even with their order), so
+--seeds repeats every run with other windows, the same for both tools, and adds the mean per config.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -73,11 +78,11 @@ GPTQMODEL_SNIPPET = r"""
 import sys, time, json, random
 import torch
 from gptqmodel import GPTQModel, QuantizeConfig
-src, out, bits, calib, nsamples, seqlen = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
+src, out, bits, calib, nsamples, seqlen, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
 from tokenizers import Tokenizer
 tok = Tokenizer.from_file(f"{src}/tokenizer.json")
 ids = tok.encode(open(calib).read()).ids
-g = torch.Generator().manual_seed(0)
+g = torch.Generator().manual_seed(seed)
 starts = torch.randint(0, len(ids) - seqlen + 1, (nsamples,), generator=g).tolist()
 data = [{"input_ids": ids[s:s + seqlen], "attention_mask": [1] * seqlen} for s in starts]
 t = time.time()
@@ -102,9 +107,9 @@ def perplexity(model_dir: str, ctx: int = 512, windows: int = 40) -> float:
     return evaluate(model, token_windows(ids, ctx, windows)).perplexity
 
 
-def run_llmopt(src: str, out: str, options: list[str], nsamples: int, seqlen: int) -> dict:
+def run_llmopt(src: str, out: str, options: list[str], nsamples: int, seqlen: int, seed: int) -> dict:
     cmd = [sys.executable, "-m", "llmopt.cli.app", "--json", "quantize", src, "-o", out, "--force",
-           "--nsamples", str(nsamples), "--seqlen", str(seqlen), *options]
+           "--nsamples", str(nsamples), "--seqlen", str(seqlen), "--seed", str(seed), *options]
     if "gptq" in options and "--calib" not in options:
         cmd += ["--calib", str(DATA / "valid.txt")]
     return _timed(cmd)
@@ -133,6 +138,7 @@ def main() -> None:
     ap.add_argument("--configs", nargs="*", default=DEFAULT, choices=sorted(CONFIGS))
     ap.add_argument("--nsamples", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="Calibration seeds; each run is repeated per seed.")
     ap.add_argument("--work", default=str(ROOT / "build" / "bench-gptq"))
     ap.add_argument("--fp16", action="store_true", help="Also measure the fp16 source's perplexity.")
     ap.add_argument("--gptqmodel-python", help="A python with gptqmodel installed: run its GPTQ w4/w3 g128 too.")
@@ -150,31 +156,50 @@ def main() -> None:
     if args.fp16:
         rows.append({"config": "fp16", "ppl": round(perplexity(str(src)), 2)})
         print(json.dumps(rows[-1]), flush=True)
-    for name in args.configs:
-        out = work / name
-        r = run_llmopt(str(src), str(out), CONFIGS[name], args.nsamples, args.seqlen)
-        result = json.loads(r.pop("stdout"))
-        per_layer = [b["seconds"] for b in result["blocks"]]
-        rows.append({"config": f"llmopt {name}", "ppl": round(perplexity(str(out)), 2), "seconds": r["seconds"],
-                     "s_per_layer": round(sum(per_layer) / len(per_layer), 2), "peak_rss_mib": r["peak_rss_mib"]})
-        print(json.dumps(rows[-1]), flush=True)
-    if args.gptqmodel_python:
-        for bits in args.gptqmodel_bits:
-            out = work / f"gptqmodel-w{bits}-g128"
-            cmd = [args.gptqmodel_python, "-c", GPTQMODEL_SNIPPET, str(src), str(out), str(bits), str(DATA / "valid.txt"),
-                   str(args.nsamples), str(args.seqlen)]
-            if out.exists():
-                import shutil
-                shutil.rmtree(out)
-            r = _timed(cmd)
-            rows.append({"config": f"gptqmodel w{bits} g128 sym", "ppl": round(perplexity(str(out)), 2), "seconds": r["seconds"],
+    for seed in args.seeds:
+        suffix = "" if seed == 0 else f"-seed{seed}"  # seed 0 keeps the plain names other benchmarks read
+        for name in args.configs:
+            out = work / f"{name}{suffix}"
+            r = run_llmopt(str(src), str(out), CONFIGS[name], args.nsamples, args.seqlen, seed)
+            result = json.loads(r.pop("stdout"))
+            per_layer = [b["seconds"] for b in result["blocks"]]
+            rows.append({"config": f"llmopt {name}", "seed": seed, "ppl": round(perplexity(str(out)), 2),
+                         "seconds": r["seconds"], "s_per_layer": round(sum(per_layer) / len(per_layer), 2),
                          "peak_rss_mib": r["peak_rss_mib"]})
             print(json.dumps(rows[-1]), flush=True)
+        for bits in args.gptqmodel_bits if args.gptqmodel_python else []:
+            out = work / f"gptqmodel-w{bits}-g128{suffix}"
+            cmd = [args.gptqmodel_python, "-c", GPTQMODEL_SNIPPET, str(src), str(out), str(bits), str(DATA / "valid.txt"),
+                   str(args.nsamples), str(args.seqlen), str(seed)]
+            if out.exists():
+                shutil.rmtree(out)
+            r = _timed(cmd)
+            rows.append({"config": f"gptqmodel w{bits} g128 sym", "seed": seed, "ppl": round(perplexity(str(out)), 2),
+                         "seconds": r["seconds"], "peak_rss_mib": r["peak_rss_mib"]})
+            print(json.dumps(rows[-1]), flush=True)
     print()
-    print(f"{'config':44} {'ppl':>8} {'seconds':>9} {'s/layer':>8} {'RSS MiB':>8}")
+    print(f"{'config':44} {'seed':>4} {'ppl':>8} {'seconds':>9} {'s/layer':>8} {'RSS MiB':>8}")
     for r in rows:
-        print(f"{r['config']:44} {r['ppl']:8.2f} {r.get('seconds', ''):>9} {r.get('s_per_layer', ''):>8} {r.get('peak_rss_mib', ''):>8}")
-    print(json.dumps({"benchmark": "gptq", "nsamples": args.nsamples, "seqlen": args.seqlen, "rows": rows}))
+        print(f"{r['config']:44} {r.get('seed', ''):>4} {r['ppl']:8.2f} {r.get('seconds', ''):>9} {r.get('s_per_layer', ''):>8} "
+              f"{r.get('peak_rss_mib', ''):>8}")
+    means = seed_means(rows) if len(args.seeds) > 1 else []
+    if means:
+        print(f"\n{'config':44} {'seeds':>5} {'mean ppl':>9} {'min':>7} {'max':>7} {'mean s':>8}")
+        for m in means:
+            print(f"{m['config']:44} {m['seeds']:5d} {m['mean_ppl']:9.2f} {m['min_ppl']:7.2f} {m['max_ppl']:7.2f} {m['mean_seconds']:8.1f}")
+    print(json.dumps({"benchmark": "gptq", "nsamples": args.nsamples, "seqlen": args.seqlen, "seeds": args.seeds,
+                      "rows": rows, "means": means}))
+
+
+def seed_means(rows: list[dict]) -> list[dict]:
+    """Per config over its seeds: mean, min and max perplexity, and mean wall time."""
+    by_config: dict[str, list[dict]] = {}
+    for r in rows:
+        if "seed" in r:
+            by_config.setdefault(r["config"], []).append(r)
+    return [{"config": c, "seeds": len(rs), "mean_ppl": round(sum(r["ppl"] for r in rs) / len(rs), 2),
+             "min_ppl": min(r["ppl"] for r in rs), "max_ppl": max(r["ppl"] for r in rs),
+             "mean_seconds": round(sum(r["seconds"] for r in rs) / len(rs), 1)} for c, rs in by_config.items()]
 
 
 if __name__ == "__main__":

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -68,16 +72,34 @@ def tiny_ggufs(tiny_models, tmp_path_factory: pytest.TempPathFactory):
     return make
 
 
+def run_llmopt(*args, cwd=None) -> subprocess.CompletedProcess:
+    """The real `llmopt` entry point in a subprocess, as a user's shell would run it."""
+    env = {**os.environ, "COLUMNS": "200", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "llmopt.cli.app", *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=600)
+
+
+@pytest.fixture
+def llmopt_cli():
+    return run_llmopt
+
+
 @pytest.fixture(scope="module")
 def llmopt_cli_module():
-    """The real `llmopt` entry point in a subprocess (module-scoped twin of tests/cli's fixture)."""
-    import os
-    import subprocess
-    import sys
+    """The same runner for module-scoped fixtures."""
+    return run_llmopt
+
+
+@pytest.fixture
+def llmopt_here(capsys):
+    """`llmopt` inside the test process (no interpreter start-up per call), with the same entry
+    point, exit codes and streams as `llmopt_cli`: for the many small CLI checks."""
+    from llmopt.cli.app import main
 
     def run(*args):
-        env = {**os.environ, "COLUMNS": "200", "HF_HUB_OFFLINE": "1"}
-        return subprocess.run([sys.executable, "-m", "llmopt.cli.app", *map(str, args)], capture_output=True,
-                              text=True, env=env, timeout=600)
+        capsys.readouterr()  # drop what fixtures printed before this call (e.g. building a tiny model)
+        code = main([str(a) for a in args])
+        captured = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=captured.out, stderr=captured.err)
 
     return run

@@ -8,7 +8,6 @@ from pathlib import Path
 import gguf
 import pytest
 
-from tests.cli.inprocess import llmopt_here  # noqa: F401 - fixture
 
 
 @pytest.fixture(scope="module")

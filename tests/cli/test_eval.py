@@ -4,7 +4,6 @@ import json
 
 import pytest
 
-from tests.cli.inprocess import llmopt_here  # noqa: F401
 from tests.cli.test_bad_input import assert_clean_failure
 from tests.factories import CORPUS
 

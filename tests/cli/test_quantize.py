@@ -3,25 +3,10 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
 from tests.cli.test_bad_input import assert_clean_failure
-
-
-@pytest.fixture
-def llmopt_inprocess(capsys):
-    """The CLI's main() in this process (no interpreter start-up): for the many quick failure cases."""
-    from llmopt.cli.app import main
-
-    def run(*args):
-        capsys.readouterr()  # drop what fixtures printed while building models
-        code = main([str(a) for a in args])
-        cap = capsys.readouterr()
-        return SimpleNamespace(returncode=code, stdout=cap.out, stderr=cap.err)
-
-    return run
 
 
 @pytest.fixture
@@ -51,9 +36,9 @@ def test_gptq_act_order_with_report(llmopt_cli, tiny_models, tmp_path, calib_txt
     assert info["parameters"] > 0
 
 
-def test_rtn_dense_json(llmopt_inprocess, tiny_models, tmp_path) -> None:
+def test_rtn_dense_json(llmopt_here, tiny_models, tmp_path) -> None:
     out = tmp_path / "d"
-    r = llmopt_inprocess("--json", "quantize", tiny_models("qwen2"), "--method", "rtn", "--bits", "5", "--group-size", "-1",
+    r = llmopt_here("--json", "quantize", tiny_models("qwen2"), "--method", "rtn", "--bits", "5", "--group-size", "-1",
                    "--asym", "--format", "dense", "-o", out)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
@@ -63,16 +48,16 @@ def test_rtn_dense_json(llmopt_inprocess, tiny_models, tmp_path) -> None:
     assert "quantization_config" not in cfg and cfg["llmopt"]["method"] == "rtn"
 
 
-def test_calib_self_default(llmopt_inprocess, tiny_models, tmp_path) -> None:
+def test_calib_self_default(llmopt_here, tiny_models, tmp_path) -> None:
     out = tmp_path / "s"
-    r = llmopt_inprocess("--json", "quantize", tiny_models("llama"), "--group-size", "32", "--nsamples", "2", "--seqlen", "16", "-o", out)
+    r = llmopt_here("--json", "quantize", tiny_models("llama"), "--group-size", "32", "--nsamples", "2", "--seqlen", "16", "-o", out)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["calibration"]["source"] == "self"
 
 
-def test_gptaq_and_refit_scales_are_recorded(llmopt_inprocess, tiny_models, tmp_path) -> None:
+def test_gptaq_and_refit_scales_are_recorded(llmopt_here, tiny_models, tmp_path) -> None:
     out = tmp_path / "aq"
-    r = llmopt_inprocess("quantize", tiny_models("llama"), "--group-size", "32", "--nsamples", "2", "--seqlen", "16",
+    r = llmopt_here("quantize", tiny_models("llama"), "--group-size", "32", "--nsamples", "2", "--seqlen", "16",
                          "--asym", "--act-order", "--mse", "--refit-scales", "--gptaq", "0.25", "--calib-dtype", "float32",
                          "-o", out)
     assert r.returncode == 0, r.stderr
@@ -99,23 +84,23 @@ def test_gptaq_and_refit_scales_are_recorded(llmopt_inprocess, tiny_models, tmp_
     (["--calib-dtype", "int8"], "bad --calib-dtype 'int8'"),
     (["--method", "rtn", "--calib-dtype", "bfloat16"], "--calib-dtype applies to --method gptq"),
 ])
-def test_bad_input(llmopt_inprocess, tiny_models, tmp_path, args, expect) -> None:
+def test_bad_input(llmopt_here, tiny_models, tmp_path, args, expect) -> None:
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     args = [str(empty) if a == "EMPTY" else str(tmp_path / a) if a.startswith("NOWHERE") else a for a in args]
     if "--group-size" not in args:
         args += ["--group-size", "32"]
     out = tmp_path / "out"
-    r = llmopt_inprocess("quantize", tiny_models("llama"), *args, "-o", out)
+    r = llmopt_here("quantize", tiny_models("llama"), *args, "-o", out)
     assert_clean_failure(r, expect)
     assert list(tmp_path.glob("*out*")) == []
 
 
-def test_existing_output_is_refused_before_work(llmopt_inprocess, tiny_models, tmp_path) -> None:
+def test_existing_output_is_refused_before_work(llmopt_here, tiny_models, tmp_path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep").write_text("x")
-    r = llmopt_inprocess("quantize", tiny_models("llama"), "--method", "rtn", "--group-size", "32", "-o", out)
+    r = llmopt_here("quantize", tiny_models("llama"), "--method", "rtn", "--group-size", "32", "-o", out)
     assert_clean_failure(r, "already exists")
     assert (out / "keep").read_text() == "x"
 

@@ -9,7 +9,6 @@ from llmopt.model import open_model
 from llmopt.model.decoder import Decoder
 from llmopt.runtime.int4 import PackedInt4Linear
 from llmopt.runtime.weights import load_model
-from tests.cli.inprocess import llmopt_here  # noqa: F401
 
 
 @pytest.fixture(scope="module")

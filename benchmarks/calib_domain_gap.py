@@ -60,20 +60,16 @@ def token_classes(text: str, offsets: list[tuple[int, int]]) -> list[str]:
     return classes
 
 
-def token_nll(model_dir: str, text: str, ctx: int, windows: int) -> tuple[torch.Tensor, list[str]]:
-    """Negative log-likelihood of every scored token (tokens 1..ctx-1 of each window), and its class."""
-    from llmopt.eval.perplexity import token_windows, window_log_probs
+def token_nll(model_dir: str, windows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Negative log-likelihood of every scored token (tokens 1..ctx-1 of each window), per text."""
+    from llmopt.eval.perplexity import window_log_probs
     from llmopt.model import open_model
     from llmopt.model.decoder import Decoder
 
     with open_model(model_dir) as src:
-        enc = src.tokenizer().tokenizer.encode(text)
         model = Decoder.from_source(src, torch.float32)
-    w = token_windows(enc.ids, ctx, windows)
-    nll = torch.cat([-window_log_probs(model, x).gather(-1, x[1:, None])[:, 0] for x in w])
-    classes = token_classes(text, enc.offsets[: w.numel()])
-    scored = [c for i, c in enumerate(classes) if i % ctx]  # token 0 of each window is not scored
-    return nll, scored
+    return {kind: torch.cat([-window_log_probs(model, x).gather(-1, x[1:, None])[:, 0] for x in w])
+            for kind, w in windows.items()}
 
 
 def main() -> None:
@@ -90,14 +86,17 @@ def main() -> None:
     if missing:
         sys.exit(f"missing checkpoint(s) {', '.join(missing)}: run benchmarks/gptq.py first (see --help)")
 
+    from llmopt.eval.perplexity import token_windows
+    from llmopt.model import open_model
+
     raw = (DATA / "test.txt").read_text()
     texts = {"raw": raw, "detokenized": detokenize(raw)}
-    nll: dict[tuple[str, str], torch.Tensor] = {}
-    for name, path in models.items():
-        for kind, text in texts.items():
-            nll[name, kind], classes = token_nll(str(path), text, args.ctx, args.windows)
-            if kind == "raw":
-                raw_classes = classes
+    with open_model(str(models["fp16"])) as src:  # the checkpoints keep the source's tokenizer
+        encodings = {kind: src.tokenizer().tokenizer.encode(text) for kind, text in texts.items()}
+    windows = {kind: token_windows(enc.ids, args.ctx, args.windows) for kind, enc in encodings.items()}
+    scored = args.ctx * args.windows
+    raw_classes = [c for i, c in enumerate(token_classes(raw, encodings["raw"].offsets[:scored])) if i % args.ctx]
+    nll = {(name, kind): values for name, path in models.items() for kind, values in token_nll(str(path), windows).items()}
     ppl = {k: math.exp(v.mean().item()) for k, v in nll.items()}
 
     print(f"{'text':12} {'fp16':>8} {'real-cal':>9} {'self-cal':>9} {'self vs real':>13}")

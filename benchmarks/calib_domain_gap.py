@@ -111,7 +111,7 @@ def main() -> None:
         if mask.any():
             rows.append({"class": c, "tokens": int(mask.sum()), "share_of_gap": diff[mask].sum().item() / diff.sum().item(),
                          **{f"nll_{m}": nll[m, "raw"][mask].mean().item() for m in models}})
-    print(f"\nraw text, by token class: mean NLL (nats) and share of the self-vs-real gap")
+    print("\nraw text, by token class: mean NLL (nats) and share of the self-vs-real gap")
     print(f"{'class':14} {'tokens':>7} {'fp16':>7} {'real':>7} {'self':>7} {'share':>7}")
     for r in rows:
         print(f"{r['class']:14} {r['tokens']:7d} {r['nll_fp16']:7.3f} {r['nll_real']:7.3f} {r['nll_self']:7.3f} "

@@ -19,7 +19,7 @@ CORPUS = (
     "In the beginning the universe was created. This has made a lot of people very angry. "
 ) * 20
 
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def make_tokenizer(directory: Path, vocab_size: int = 320) -> "object":
@@ -60,6 +60,10 @@ def make_tiny_hf(directory: Path, family: str = "llama", tie: bool = False, seed
     elif family == "qwen2":
         config = transformers.Qwen2Config(**common, rope_theta=10000.0)
         cls = transformers.Qwen2ForCausalLM
+    elif family == "qwen3":  # Qwen3-0.6B's shape scaled down: head_dim apart from hidden/heads, GQA 2
+        config = transformers.Qwen3Config(**{**common, "hidden_size": 128, "intermediate_size": 384, "rms_norm_eps": 1e-6},
+                                          head_dim=64, rope_theta=1000000.0)
+        cls = transformers.Qwen3ForCausalLM
     else:
         raise ValueError(family)
     torch.manual_seed(seed)
@@ -82,7 +86,8 @@ def write_reference_gguf(hf_dir: Path, out: Path, tensor_type: str = "F32") -> P
     from safetensors.numpy import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
-    arch = "qwen2" if cfg["model_type"] == "qwen2" else "llama"
+    arch = cfg["model_type"] if cfg["model_type"] in ("qwen2", "qwen3") else "llama"
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name("tiny")
     w.add_context_length(cfg["max_position_embeddings"])
@@ -93,7 +98,10 @@ def write_reference_gguf(hf_dir: Path, out: Path, tensor_type: str = "F32") -> P
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+    w.add_rope_dimension_count(head_dim)
+    if head_dim * cfg["num_attention_heads"] != cfg["hidden_size"]:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_vocab_size(cfg["vocab_size"])
     w.add_file_type(0 if tensor_type == "F32" else 1)
 
@@ -119,6 +127,7 @@ def write_reference_gguf(hf_dir: Path, out: Path, tensor_type: str = "F32") -> P
              "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
              "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
              "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
+             "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
              "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
     tensors = load_file(str(hf_dir / "model.safetensors"))
     for name, value in tensors.items():
@@ -148,3 +157,15 @@ def write_reference_gguf(hf_dir: Path, out: Path, tensor_type: str = "F32") -> P
 
 def rest_is(name: str, proj: str) -> bool:
     return f".self_attn.{proj}." in name
+
+
+def write_checkpoint(source, spec, blocks, out: Path, fmt: str = "gptq", on_block=None) -> Path:
+    """Hand every block the pipeline yields to the checkpoint writer, as `llmopt.api.quantize` does."""
+    from llmopt.formats.gptq import CheckpointWriter
+
+    with CheckpointWriter(source, spec, out, fmt) as writer:
+        for block in blocks:
+            writer.add(block)
+            if on_block is not None:
+                on_block(block)
+        return writer.finish()

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from llmopt.model.decoder import Decoder
+from llmopt.model.kv_cache import StaticKVCache
 from llmopt.model.source import ModelSource
 
 GREEDY_STEPS = 3  # LLM-QAT: deterministic first tokens give more fluent text than sampling at once
@@ -27,21 +28,6 @@ GREEDY_STEPS = 3  # LLM-QAT: deterministic first tokens give more fluent text th
 # alike within the spread between seeds; packed rows generate in 98 s instead of 166-179 s (2 CPU cores).
 TEMPERATURE = 1.0
 DOC_TOKENS = 128
-
-
-class _StaticCache:
-    """Preallocated K/V per layer for one generation batch."""
-
-    def __init__(self, layers: int, batch: int, kv_heads: int, length: int, head_dim: int, dtype: torch.dtype, device: torch.device):
-        shape = (batch, kv_heads, length, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        end = start + k.shape[2]
-        self.k[layer][:, :, start:end] = k
-        self.v[layer][:, :, start:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
 def special_token_ids(source: ModelSource) -> set[int]:
@@ -85,7 +71,7 @@ def _generate_documents(source: ModelSource, ndocs: int, length: int, seed: int,
         b = min(batch_size, ndocs - b0)
         ids = candidates[torch.randint(0, candidates.numel(), (b,), generator=gen)].view(b, 1)
         seq = [ids]
-        cache = _StaticCache(arch.num_layers, b, arch.num_kv_heads, length, arch.head_dim, dtype, torch.device(device))
+        cache = StaticKVCache(arch, length, b, dtype, device)
         step_in = ids.to(device)
         for pos in range(length - 1):
             logits = model(step_in, start=pos, cache=cache)[:, -1].float().cpu()

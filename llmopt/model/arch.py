@@ -92,15 +92,9 @@ class ArchSpec:
             "hidden_act": "silu",
             "torch_dtype": dtype,
         }
-        if self.family.name != "qwen2":
-            cfg["attention_bias"] = self.attention_bias
-            cfg["mlp_bias"] = False
+        cfg.update(self.family.hf_config_keys(self))
         if self.rope_scaling:
             cfg["rope_scaling"] = dict(self.rope_scaling)
-        if self.family.name == "mistral":
-            cfg["sliding_window"] = self.sliding_window
-        if self.family.name == "qwen2":
-            cfg["use_sliding_window"] = False
         return cfg
 
     # ---------------------------------------------------------------- GGUF metadata

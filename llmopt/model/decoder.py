@@ -1,13 +1,15 @@
-"""A pure-PyTorch Llama-style decoder (Llama, Mistral, Qwen2), readable top to bottom.
+"""A pure-PyTorch Llama-style decoder (Llama, Mistral, Qwen2, Qwen3), readable top to bottom.
 
-Both the quantization pipeline (one block at a time) and the runtime (whole model, KV cache) run
-these modules. Parameter names match HF's without the leading "model.", so weights load straight
-from any `ModelSource`. No transformers modelling code is used.
+This is the one definition of the block: the runtime (whole model, KV cache, the compiled decode
+step), the quantization pipeline and the imatrix collector (one block at a time, observing the
+linears' inputs with hooks) all run `DecoderBlock.forward`. A family chooses its options (q/k
+norms, biases, sliding window) and could supply a block of its own (`Family.make_block`).
+Parameter names match HF's without the leading "model.", so weights load straight from any
+`ModelSource`. No transformers modelling code is used.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Protocol
 
 import torch
@@ -16,13 +18,17 @@ from torch import nn
 
 from llmopt.errors import InputError
 from llmopt.model.arch import ArchSpec
+from llmopt.model.rope import inv_freq
 from llmopt.model.source import ModelSource
+
+Position = int | torch.Tensor  # where a forward's tokens start: an int, or a [1] tensor in a fixed-shape step
 
 
 class KVCache(Protocol):
-    """What attention needs from a cache: store this step's K/V at `start`, return all K/V so far."""
+    """What attention needs from a cache: store this step's K/V at `start`, return the K/V to attend
+    over (every position so far; for a tensor `start`, the whole fixed-size buffer)."""
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: Position) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class RMSNorm(nn.Module):
@@ -37,29 +43,6 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
         return self.weight * h.to(x.dtype)
-
-
-def rope_inv_freq(arch: ArchSpec) -> torch.Tensor:
-    """Rotary frequencies, with llama3 / linear scaling applied when the config asks for it."""
-    dim = arch.head_dim
-    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = arch.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind in ("default", None):
-        return inv
-    if kind == "linear":
-        return inv / float(scaling["factor"])
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_ctx = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)  # long wavelengths: slow down
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
-        return torch.where(medium, blended, scaled)
-    raise InputError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -78,6 +61,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(arch.hidden_size, self.n_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(arch.hidden_size, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, arch.hidden_size, bias=False)
+        if arch.family.qk_norm:  # one RMSNorm over each head's q and k (Qwen3)
+            self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
         self.qkv: nn.Module | None = None  # q, k, v as one linear, when the runtime fuses them (row_major.py)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -87,12 +73,15 @@ class Attention(nn.Module):
             return self.qkv(x).split((self.n_heads * self.head_dim, kv, kv), dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int = 0,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: Position = 0,
                 cache: KVCache | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.project(x)
-        q = q.reshape(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q = q.reshape(b, t, self.n_heads, self.head_dim)
+        k = k.reshape(b, t, self.n_kv, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
@@ -131,12 +120,14 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return (weights @ v).view(b, h, t, d)
 
 
-def attention_mask(t: int, s: int, start: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+def attention_mask(t: int, s: int, start: Position, window: int | None, device: torch.device) -> torch.Tensor | None:
     """Boolean [t, s] mask for queries at positions start..start+t-1 over keys 0..s-1, or None when
-    plain causal masking (or none, for one query) is exact."""
-    if (window is None or window >= s) and (t == 1 or (start == 0 and s == t)):
+    plain causal masking (or none, for one query) is exact. A tensor `start` (a fixed-shape step
+    attending over a whole preallocated buffer) always gets a mask."""
+    fixed = isinstance(start, torch.Tensor)
+    if not fixed and (window is None or window >= s) and (t == 1 or (start == 0 and s == t)):
         return None
-    q_pos = torch.arange(start, start + t, device=device)[:, None]
+    q_pos = (start + torch.arange(t, device=device))[:, None]
     k_pos = torch.arange(s, device=device)[None, :]
     allowed = k_pos <= q_pos
     if window is not None:
@@ -160,7 +151,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class Block(nn.Module):
+class DecoderBlock(nn.Module):
     """One decoder layer: pre-norm attention and pre-norm SwiGLU MLP, each with a residual."""
 
     def __init__(self, arch: ArchSpec, layer: int):
@@ -170,7 +161,7 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int = 0,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: Position = 0,
                 cache: KVCache | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, start, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -181,7 +172,7 @@ class Rotary(nn.Module):
 
     def __init__(self, arch: ArchSpec):
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
+        self.register_buffer("inv_freq", inv_freq(arch), persistent=False)
         self.table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin for positions 0..n-1
 
     def forward(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,7 +196,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(Block(arch, i) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(arch.family.make_block(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rotary = Rotary(arch)
@@ -213,10 +204,12 @@ class Decoder(nn.Module):
     def forward(self, ids: torch.Tensor, start: int = 0, cache: KVCache | None = None) -> torch.Tensor:
         return self.lm_head(self.hidden(ids, start, cache))
 
-    def hidden(self, ids: torch.Tensor, start: int = 0, cache: KVCache | None = None) -> torch.Tensor:
-        """Final-norm hidden states: prefill applies the LM head to the last position only."""
+    def hidden(self, ids: torch.Tensor, start: Position = 0, cache: KVCache | None = None,
+               rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Final-norm hidden states: prefill applies the LM head to the last position only.
+        `rope` gives the cos/sin rows of these positions (a fixed-shape step selects them itself)."""
         x = self.embed_tokens(ids)
-        cos, sin = self.rotary(start, ids.shape[1], x.dtype)
+        cos, sin = rope if rope is not None else self.rotary(start, ids.shape[1], x.dtype)
         for block in self.layers:
             x = block(x, cos, sin, start, cache)
         return self.norm(x)
@@ -247,10 +240,10 @@ def hf_to_param_name(hf_name: str) -> str:
 
 
 def load_block(source: ModelSource, layer: int, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> Block:
+               device: torch.device | str = "cpu") -> nn.Module:
     """One decoder block with its weights, for layer-at-a-time work (quantization, imatrix)."""
     with torch.device("meta"):
-        block = Block(source.arch, layer)
+        block = source.arch.family.make_block(source.arch, layer)
     prefix = f"model.layers.{layer}."
     state = {n[len(prefix):]: source.load(n, dtype=torch.float32).to(device=device, dtype=dtype)
              for n in source.tensors if n.startswith(prefix)}

@@ -16,9 +16,9 @@ from gguf.quants import dequantize
 
 from llmopt.errors import InputError
 from llmopt.model.arch import ArchSpec
-from llmopt.model.families.base import GGUF_ONLY, unpermute_from_gguf
-from llmopt.model.gguf_header import MAGIC as GGUF_MAGIC  # noqa: F401 - re-exported for open.py
-from llmopt.model.gguf_header import GGUFTensor, read_gguf
+from llmopt.model.families.base import unpermute_from_gguf
+from llmopt.model.gguf_header import read_gguf
+from llmopt.model.rope import ROPE_FREQS
 from llmopt.model.source import ModelSource, TensorInfo
 from llmopt.model.tokenizer import TokenizerInfo, tokenizer_from_gguf
 
@@ -34,22 +34,16 @@ class GGUFSource(ModelSource):
         self.arch = ArchSpec.from_gguf_metadata(self.metadata, set(self._by_stored))
         family = self.arch.family
         self.tensors = {}
-        self.unmapped: list[str] = []  # GGUF-only tensors (rope_freqs) kept out of the HF view
         for t in raw_tensors:
             hf = family.gguf_to_hf_name(t.name)
-            if hf is None:
-                if t.name not in GGUF_ONLY:
+            if hf is None:  # GGUF-only tensors (llama3's rope_freqs) stay out of the HF view
+                if t.name != ROPE_FREQS:
                     raise InputError(f"{path}: unknown tensor {t.name!r} for architecture {family.gguf_arch}")
-                self.unmapped.append(t.name)
                 continue
             shape = tuple(int(d) for d in reversed(t.shape))
             self.tensors[hf] = TensorInfo(hf, t.name, shape, t.tensor_type.name, int(t.n_bytes))
         self._tokenizer: TokenizerInfo | None = None
         self._tokenizer_read = False
-
-    def stored_tensor(self, stored_name: str) -> GGUFTensor:
-        """The raw tensor as stored (type, ggml shape, bytes), for tools that need blocks, not floats."""
-        return self._by_stored[stored_name]
 
     def load(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         info = self.tensors[name]

@@ -5,13 +5,13 @@ lists it as one `<module>.weight` [out, in] and `load` returns it dequantized:
 
     W[o, i] = (code[i, o] - zero[g, o]) * scale[g, o],   g = g_idx[i],   zero = stored + 1 (v1)
 
-`gptq_parts(module)` gives the raw codes/zeros/scales/g_idx for readers that keep weights packed.
+`quantized(module)` gives the same weight as a `QuantizedTensor` (codes, scales, true zero points,
+g_idx) for readers that keep weights packed.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,24 +20,9 @@ from llmopt.errors import InputError
 from llmopt.model.hf_dir import HFDirSource
 from llmopt.model.packing import PACK_BITS, unpack_qweight, unpack_qzeros
 from llmopt.model.source import ModelSource, TensorInfo
+from llmopt.quantized_tensor import QuantizedTensor
 
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
-
-
-@dataclass
-class GPTQParts:
-    codes: torch.Tensor  # [out, in] int32 in [0, 2**bits)
-    zeros: torch.Tensor  # [groups, out] int32, true zero points
-    scales: torch.Tensor  # [groups, out] float16 as stored
-    g_idx: torch.Tensor  # [in] int64
-    bits: int
-    group_size: int
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        g = self.g_idx
-        z = self.zeros.to(torch.float32)[g].t()  # [out, in]
-        s = self.scales.to(torch.float32)[g].t()
-        return ((self.codes.to(torch.float32) - z) * s).to(dtype)
 
 
 def is_gptq_config(config: dict) -> bool:
@@ -77,7 +62,8 @@ class GPTQDirSource(HFDirSource):
             logical[name] = info
         self.tensors = logical
 
-    def gptq_parts(self, module: str) -> GPTQParts:
+    def quantized(self, module: str) -> QuantizedTensor:
+        """One packed linear as codes [out, in], scales and true zero points [out, groups], g_idx [in]."""
         out_f, in_f = self.modules[module]
 
         def raw(part: str) -> torch.Tensor:
@@ -94,7 +80,8 @@ class GPTQDirSource(HFDirSource):
         if tuple(scales.shape) != tuple(zeros.shape) or scales.shape[1] != out_f or int(g_idx.max()) >= scales.shape[0]:
             raise InputError(f"{self.path}: {module}: inconsistent GPTQ tensors (scales {tuple(scales.shape)}, "
                              f"qzeros {tuple(zeros.shape)}, groups used {int(g_idx.max()) + 1})")
-        return GPTQParts(codes, zeros, scales, g_idx, self.bits, self.group_size)
+        return QuantizedTensor(codes=codes, scales=scales.t().contiguous(), bits=self.bits, group_size=self.group_size,
+                               zeros=zeros.t().contiguous(), g_idx=g_idx, grid="int")  # fmt: skip
 
     def load_stored(self, name: str) -> torch.Tensor:
         return self._handles[self._file_of[name]].get_tensor(name)
@@ -102,7 +89,7 @@ class GPTQDirSource(HFDirSource):
     def load(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and module in self.modules:
-            w = self.gptq_parts(module).dequantize(torch.float32)
+            w = self.quantized(module).dequantize(torch.float32)
             return w.to(dtype or torch.float16)
         return super().load(name, dtype)
 

@@ -60,6 +60,11 @@ class TokenizerInfo:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
 
+    def special_ids(self) -> dict[str, int]:
+        """`bos_token_id`, `eos_token_id`, `pad_token_id` as config.json and generation_config.json carry them."""
+        ids = {f"{k}_token_id": self.token_id(getattr(self, f"{k}_token")) for k in ("bos", "eos", "pad")}
+        return {k: v for k, v in ids.items() if v is not None}
+
     def summary(self) -> dict[str, Any]:
         specials = {k: getattr(self, f"{k}_token") for k in ("bos", "eos", "pad", "unk")}
         return {

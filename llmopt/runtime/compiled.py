@@ -14,57 +14,37 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmopt.model.decoder import Decoder, grouped_attention, rotate_half
-from llmopt.runtime.kv_cache import StaticKVCache
+from llmopt.model.arch import ArchSpec
+from llmopt.model.decoder import Decoder
+from llmopt.model.kv_cache import StaticKVCache
 
 
 class StaticDecodeStep(nn.Module):
-    """`step(token, pos) -> logits` for one token at position `pos` (both [1] int64 tensors)."""
+    """`step(token, pos) -> logits` for one token at position `pos` (both [1] int64 tensors).
+
+    It runs the decoder's own blocks: given a tensor position, attention writes into the cache
+    in place and attends over the whole buffer under a mask (`attention_mask`)."""
 
     def __init__(self, model: Decoder, cache: StaticKVCache):
         super().__init__()
         self.model = model
-        self.cache = cache
-        arch = model.arch
-        self.window = arch.sliding_window
-        device = cache.k.device
-        # buffers, not plain attributes: CUDA graphs treat them as fixed addresses written in place
-        self.register_buffer("k", cache.k, persistent=False)
-        self.register_buffer("v", cache.v, persistent=False)
-        self.register_buffer("positions", torch.arange(cache.max_len, device=device), persistent=False)
+        self.cache = cache  # a submodule: its K/V buffers have fixed addresses
         cos, sin = model.rotary(0, cache.max_len, cache.k.dtype)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        m = self.model
-        x = m.embed_tokens(token.view(1, 1))
-        cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)  # [1, head_dim]
-        mask = self.positions <= pos
-        if self.window is not None:
-            mask = mask & (self.positions > pos - self.window)
-        for i, block in enumerate(m.layers):
-            attn = block.self_attn
-            h = block.input_layernorm(x)
-            q, k, v = attn.project(h)
-            q = q.reshape(1, 1, attn.n_heads, attn.head_dim).transpose(1, 2)
-            k = k.reshape(1, 1, attn.n_kv, attn.head_dim).transpose(1, 2)
-            v = v.reshape(1, 1, attn.n_kv, attn.head_dim).transpose(1, 2)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            self.k[i].index_copy_(2, pos, k)
-            self.v[i].index_copy_(2, pos, v)
-            o = grouped_attention(q, self.k[i], self.v[i], mask.view(1, -1))
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(1, 1, -1))
-            x = x + block.mlp(block.post_attention_layernorm(x))
-        return m.lm_head(m.norm(x))[0, -1]
+        rope = self.cos.index_select(0, pos), self.sin.index_select(0, pos)  # [1, head_dim]
+        h = self.model.hidden(token.view(1, 1), pos, self.cache, rope)
+        return self.model.lm_head(h)[0, -1]
 
 
 class CompiledDecoder:
     """Keeps one static cache and its compiled step, reused by every generation that fits in it.
 
     Compiling takes a while (tens of seconds), so the cache is sized generously once (`max_len`,
-    rounded up) and only a longer request builds a new one.
+    rounded up) and only a longer request builds a new one. It is the runtime's cache factory
+    when decode steps are compiled.
     """
 
     ROUND = 256
@@ -75,7 +55,11 @@ class CompiledDecoder:
         self.cache: StaticKVCache | None = None
         self.step = None
 
-    def cache_for(self, max_len: int) -> StaticKVCache:
+    def __call__(self, arch: ArchSpec, max_len: int, batch: int, dtype: torch.dtype,
+                 device: torch.device | str) -> StaticKVCache:
+        """The compiled step's cache, emptied (a `CacheFactory`; batch 1, the model's dtype and device)."""
+        if batch != 1:
+            raise ValueError("the compiled decode step runs one sequence")
         if self.cache is None or self.cache.max_len < max_len:
             param = next(self.model.parameters())
             size = -(-max_len // self.ROUND) * self.ROUND
@@ -85,7 +69,8 @@ class CompiledDecoder:
         self.cache.length = 0
         return self.cache
 
-    def __call__(self, token: int, pos: int) -> torch.Tensor:
+    def decode(self, token: int, pos: int) -> torch.Tensor:
+        """Logits after `token` at position `pos`, written into the cache."""
         assert self.step is not None and self.cache is not None
         device = self.cache.k.device
         logits = self.step(torch.tensor([token], device=device), torch.tensor([pos], device=device))

@@ -12,11 +12,11 @@ from typing import Callable
 
 import torch
 
-from llmopt.errors import InputError
+from llmopt.errors import InputError, OptionError
 from llmopt.model.decoder import Decoder
+from llmopt.model.kv_cache import CacheFactory, GenerationCache, StaticKVCache
 from llmopt.model.tokenizer import TokenizerInfo
 from llmopt.runtime.compiled import CompiledDecoder
-from llmopt.runtime.kv_cache import StaticKVCache
 from llmopt.runtime.sampling import SamplingConfig, apply_repetition_penalty, next_token, probabilities
 from llmopt.runtime.speculative import Drafter, one_hot_rows, verify
 from llmopt.runtime.stream import TextStream
@@ -68,10 +68,15 @@ def _sync(device: torch.device) -> None:
 
 
 class Generator:
-    """Runs `model` on one prompt at a time, optionally with a drafter for speculative decoding."""
+    """Runs `model` on one prompt at a time, optionally with a drafter for speculative decoding.
+
+    Each generation gets its KV cache from `cache_factory` (a contiguous `StaticKVCache` by
+    default). `compile=True` makes plain decode steps run a torch.compile'd fixed-shape step (CUDA
+    graphs on GPU), which then provides the cache it was compiled around."""
 
     def __init__(self, model: Decoder, tokenizer: TokenizerInfo | None = None, drafter: Drafter | None = None,
-                 num_draft: int = 4, prefill_chunk: int = 512, eos: set[int] | None = None, compile: bool = False):
+                 num_draft: int = 4, prefill_chunk: int = 512, eos: set[int] | None = None, compile: bool = False,
+                 cache_factory: CacheFactory = StaticKVCache):
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -80,11 +85,11 @@ class Generator:
         self.eos = eos_ids(tokenizer) if eos is None else eos
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        # `compile`: plain decode steps run a torch.compile'd fixed-shape step (CUDA graphs on GPU)
         self.compiled = CompiledDecoder(model, "reduce-overhead" if self.device.type == "cuda" else None) if compile else None
+        self.cache_factory = self.compiled if self.compiled is not None else cache_factory
 
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, cache: GenerationCache) -> torch.Tensor:
         """Run the prompt through the model in chunks; return the logits after its last token."""
         h = None
         for start in range(0, ids.shape[0], self.prefill_chunk):
@@ -98,16 +103,13 @@ class Generator:
         if not prompt_ids:
             raise InputError("the prompt is empty (no tokens); give some text")
         if max_tokens < 1:
-            raise InputError(f"--max-tokens must be at least 1, got {max_tokens}")
+            raise OptionError(f"<max_tokens> must be at least 1, got {max_tokens}")
         sampling.check()
         if stop and self.tokenizer is None:
-            raise InputError("--stop needs a tokenizer to read the text, and this model has none")
+            raise OptionError("<stop> needs a tokenizer to read the text, and this model has none")
         speculative = self.drafter is not None and self.num_draft > 0
         max_len = len(prompt_ids) + max_tokens + (self.num_draft + 1 if speculative else 1)
-        if self.compiled is not None:
-            cache = self.compiled.cache_for(max_len)
-        else:
-            cache = StaticKVCache(self.model.arch, max_len, 1, self.dtype, self.device)
+        cache = self.cache_factory(self.model.arch, max_len, 1, self.dtype, self.device)
         generator = torch.Generator(self.device)
         generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ())))
         stream = TextStream(self.tokenizer, stop) if self.tokenizer is not None else None
@@ -170,17 +172,17 @@ class Generator:
         """The ids the repetition penalty looks at (none when it is off)."""
         return torch.tensor(ids if sampling.repetition_penalty != 1.0 else [], dtype=torch.long, device=self.device)
 
-    def _plain_step(self, ids: list[int], cache: StaticKVCache, sampling: SamplingConfig,
+    def _plain_step(self, ids: list[int], cache: GenerationCache, sampling: SamplingConfig,
                     generator: torch.Generator, metrics: Metrics) -> list[int]:
         """One forward pass of the last token, one new token."""
         if self.compiled is not None:
-            logits = self.compiled(ids[-1], len(ids) - 1)
+            logits = self.compiled.decode(ids[-1], len(ids) - 1)
         else:
             logits = self.model(torch.tensor([[ids[-1]]], device=self.device), len(ids) - 1, cache)[0, -1]
         metrics.target_forwards += 1
         return [next_token(logits, sampling, self._history(ids, sampling), generator)]
 
-    def _speculative_step(self, ids: list[int], cache: StaticKVCache, sampling: SamplingConfig,
+    def _speculative_step(self, ids: list[int], cache: GenerationCache, sampling: SamplingConfig,
                           generator: torch.Generator, metrics: Metrics) -> list[int]:
         """Draft up to K tokens, verify them in one target forward, return the tokens to keep."""
         assert self.drafter is not None

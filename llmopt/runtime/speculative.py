@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from llmopt.model.decoder import Decoder
-from llmopt.runtime.kv_cache import StaticKVCache
+from llmopt.model.kv_cache import CacheFactory, StaticKVCache
 from llmopt.runtime.sampling import SamplingConfig, apply_repetition_penalty, probabilities, sample
 
 
@@ -88,9 +88,10 @@ class PromptLookup:
 class DraftModel:
     """A smaller (or quantized) model with its own KV cache, run ahead k tokens at a time."""
 
-    def __init__(self, model: Decoder, max_len: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: Decoder, max_len: int, dtype: torch.dtype, device: torch.device,
+                 cache_factory: CacheFactory = StaticKVCache):
         self.model = model
-        self.cache = StaticKVCache(model.arch, max_len, 1, dtype, device)
+        self.cache = cache_factory(model.arch, max_len, 1, dtype, device)
         self.device = device
 
     @torch.inference_mode()

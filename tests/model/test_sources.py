@@ -13,13 +13,16 @@ from tests.factories import FAMILIES
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_dir_reads_architecture(tiny_models, family):
+    hidden, head_dim = (128, 64) if family == "qwen3" else (64, 16)  # Qwen3's head size is its own
     with open_model(tiny_models(family)) as src:
         a = src.arch
-        assert (a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim) == (64, 2, 4, 2, 16)
+        assert (a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim) == (hidden, 2, 4, 2, head_dim)
         assert a.family.name == family
         assert a.attention_bias == (family == "qwen2")
         assert "model.layers.0.self_attn.q_proj.weight" in src.tensors
-        assert src.tensors["model.layers.0.self_attn.k_proj.weight"].shape == (32, 64)
+        assert src.tensors["model.layers.0.self_attn.q_proj.weight"].shape == (4 * head_dim, hidden)
+        assert src.tensors["model.layers.0.self_attn.k_proj.weight"].shape == (2 * head_dim, hidden)
+        assert ("model.layers.0.self_attn.q_norm.weight" in src.tensors) == (family == "qwen3")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

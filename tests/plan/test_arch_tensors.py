@@ -16,7 +16,7 @@ def test_matches_the_real_smollm2_gguf(smollm2_gguf):
         assert parameter_count(arch_tensors(src.arch)) == src.parameter_count
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("tie", [False, True])
 def test_matches_hf_checkpoints_of_each_family(tiny_models, family, tie):
     with open_model(tiny_models(family, tie=tie)) as src:

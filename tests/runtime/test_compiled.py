@@ -9,7 +9,7 @@ from llmopt.model import open_model
 from llmopt.model.decoder import Decoder
 from llmopt.runtime.compiled import StaticDecodeStep
 from llmopt.runtime.generate import Generator
-from llmopt.runtime.kv_cache import StaticKVCache
+from llmopt.model.kv_cache import StaticKVCache
 
 
 @pytest.mark.parametrize("window", [None, 5])

@@ -7,7 +7,7 @@ from llmopt.errors import InputError
 from llmopt.model import open_model
 from llmopt.model.decoder import Decoder
 from llmopt.runtime.generate import Generator
-from llmopt.runtime.kv_cache import StaticKVCache
+from llmopt.model.kv_cache import StaticKVCache
 from llmopt.runtime.sampling import SamplingConfig
 from llmopt.runtime.stream import TextStream
 
@@ -33,6 +33,21 @@ def test_cached_greedy_equals_full_recompute(tiny):
     result = Generator(model, tok, prefill_chunk=4).generate(ids, 25, ignore_eos=True)
     assert result.token_ids == greedy_without_cache(model, ids, 25)
     assert result.metrics.generated_tokens == 25 and result.metrics.stop_reason == "max_tokens"
+
+
+def test_generation_uses_the_cache_factory_it_is_given(tiny):
+    """The runtime builds no cache itself: a factory (here a recording one) provides each generation's."""
+    model, tok = tiny
+    made = []
+
+    def factory(arch, max_len, batch, dtype, device):
+        made.append((max_len, batch, dtype))
+        return StaticKVCache(arch, max_len, batch, dtype, device)
+
+    ids = tok.encode("In the beginning the universe")
+    result = Generator(model, tok, cache_factory=factory).generate(ids, 10, ignore_eos=True)
+    assert made == [(len(ids) + 10 + 1, 1, torch.float32)]
+    assert result.token_ids == greedy_without_cache(model, ids, 10)
 
 
 def test_chunked_prefill_equals_one_pass(tiny):

@@ -4,10 +4,8 @@ import pytest
 import torch
 import transformers
 
-from llmopt.model import open_model
-from llmopt.model.decoder import Decoder
 from llmopt.runtime.generate import Generator
-from llmopt.runtime.kv_cache import StaticKVCache
+from llmopt.model.kv_cache import StaticKVCache
 from llmopt.runtime.speculative import DraftModel, PromptLookup
 from llmopt.runtime.weights import load_model
 

@@ -1,18 +1,54 @@
-"""What distinguishes one decoder family from another, and the HF <-> GGUF tensor names they share.
+"""What a decoder family is: its names, its block, and its stage table, as data.
 
-All supported families are Llama-shaped decoders (RMSNorm, rotary attention with GQA, SwiGLU MLP);
-they differ in names, biases and whether llama.cpp permutes the Q/K rows.
+Every place that depends on the architecture reads the family instead of restating it: the
+decoder builds `family.block`, the quantization pipeline and the imatrix collector walk
+`family.stages`, the GGUF reader and writer map names with `hf_to_gguf_name`, and the planner
+lists `block_tensors`. A new family is one module in this folder that builds a `Family`.
+
+The stage table lists the linears of a block in the order the forward reaches them, grouped by
+the input they share, with the module that produces that input (a norm, or the linear before).
+GPTQ quantizes stage by stage (true-sequential); AWQ folds its scales into each stage's producer.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-# Per-block tensors: HF suffix after "model.layers.{i}." -> GGUF suffix after "blk.{i}.".
-BLOCK_TENSORS: dict[str, str] = {
+if TYPE_CHECKING:
+    from torch import nn
+
+    from llmopt.model.arch import ArchSpec
+
+# Roles of a tensor, which decide how it is stored: linears are what GPTQ/AWQ quantize; experts are
+# linears of which only some are read per token; the rest stay in float in every format.
+LINEAR, EXPERT, EMBEDDING, OUTPUT, NORM, BIAS, ROUTER, ROPE = (
+    "linear", "expert", "embedding", "output", "norm", "bias", "router", "rope")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Linears of a block that read the same input, and the module that produces that input."""
+
+    linears: tuple[str, ...]  # block-relative module names, in forward order, e.g. "self_attn.q_proj"
+    producer: str  # block-relative name of the norm or linear whose output they read
+    scope: str  # the smallest module containing the linears whose output measures their error
+
+
+# The Llama block's stages (Llama, Mistral, Qwen2, Qwen3 share it).
+LLAMA_STAGES = (
+    Stage(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm", "self_attn"),
+    Stage(("self_attn.o_proj",), "self_attn.v_proj", "self_attn.o_proj"),
+    Stage(("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm", "mlp"),
+    Stage(("mlp.down_proj",), "mlp.up_proj", "mlp.down_proj"),
+)
+
+# Per-block tensors of the Llama block: HF suffix after "model.layers.{i}." -> GGUF suffix after "blk.{i}.".
+LLAMA_BLOCK_TENSORS: dict[str, str] = {
     "input_layernorm.weight": "attn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight",
     "self_attn.q_proj.bias": "attn_q.bias",
@@ -26,19 +62,33 @@ BLOCK_TENSORS: dict[str, str] = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+QK_NORM_TENSORS: dict[str, str] = {"self_attn.q_norm.weight": "attn_q_norm.weight",
+                                   "self_attn.k_norm.weight": "attn_k_norm.weight"}
+# Mixtral's router and experts, as llama.cpp's converter stacks them (planned, not read or run yet).
+MOE_TENSORS: dict[str, str] = {"block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+                               "block_sparse_moe.experts.*.w1.weight": "ffn_gate_exps.weight",
+                               "block_sparse_moe.experts.*.w3.weight": "ffn_up_exps.weight",
+                               "block_sparse_moe.experts.*.w2.weight": "ffn_down_exps.weight"}
 GLOBAL_TENSORS: dict[str, str] = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
-# Tensors that exist in GGUF files only and have no HF counterpart (llama3 rope factors are
-# recomputed from config.json by every HF reader).
-GGUF_ONLY = {"rope_freqs.weight"}
+HEAD = "lm_head"  # the LM head's module name (its weight is the embedding when tied)
 
 _HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
-_GGUF_TO_HF_BLOCK = {v: k for k, v in BLOCK_TENSORS.items()}
 _GGUF_TO_HF_GLOBAL = {v: k for k, v in GLOBAL_TENSORS.items()}
+
+
+def _no_keys(arch: ArchSpec) -> dict[str, Any]:
+    return {}
+
+
+def _default_block(arch: ArchSpec, layer: int) -> nn.Module:
+    from llmopt.model.decoder import DecoderBlock
+
+    return DecoderBlock(arch, layer)
 
 
 @dataclass(frozen=True)
@@ -48,16 +98,32 @@ class Family:
     hf_model_type: str
     gguf_arch: str
     permute_qk: bool  # llama.cpp's "llama" arch stores Q/K rows interleaved per head (rope layout)
-    qkv_bias: bool = False
+    qkv_bias: bool = False  # attention_bias when the config does not say
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3)
     reads_gguf: bool = True  # False when another family owns the GGUF arch name (mistral -> llama)
+    stages: tuple[Stage, ...] = LLAMA_STAGES
+    # family-specific keys of the config.json llmopt writes (beyond the shared ones in ArchSpec)
+    hf_config_keys: Callable[[ArchSpec], dict[str, Any]] = field(default=_no_keys, compare=False)
+    make_block: Callable[[ArchSpec, int], nn.Module] = field(default=_default_block, compare=False)
+
+    # ------------------------------------------------------------------------------ names
+    @property
+    def block_tensors(self) -> dict[str, str]:
+        """HF suffix -> GGUF suffix of every tensor a block of this family can hold."""
+        return {**LLAMA_BLOCK_TENSORS, **(QK_NORM_TENSORS if self.qk_norm else {})}
+
+    @property
+    def linears(self) -> tuple[str, ...]:
+        """The block's linears in forward order (what a method quantizes)."""
+        return tuple(name for stage in self.stages for name in stage.linears)
 
     def hf_to_gguf_name(self, hf_name: str) -> str | None:
         """llama.cpp's name for an HF tensor, or None for tensors GGUF does not store."""
         if hf_name in GLOBAL_TENSORS:
             return GLOBAL_TENSORS[hf_name]
         m = _HF_BLOCK.match(hf_name)
-        if m and m.group(2) in BLOCK_TENSORS:
-            return f"blk.{m.group(1)}.{BLOCK_TENSORS[m.group(2)]}"
+        if m and m.group(2) in self.block_tensors:
+            return f"blk.{m.group(1)}.{self.block_tensors[m.group(2)]}"
         return None
 
     def gguf_to_hf_name(self, gguf_name: str) -> str | None:
@@ -65,8 +131,10 @@ class Family:
         if gguf_name in _GGUF_TO_HF_GLOBAL:
             return _GGUF_TO_HF_GLOBAL[gguf_name]
         m = _GGUF_BLOCK.match(gguf_name)
-        if m and m.group(2) in _GGUF_TO_HF_BLOCK:
-            return f"model.layers.{m.group(1)}.{_GGUF_TO_HF_BLOCK[m.group(2)]}"
+        if m:
+            for hf, gguf in self.block_tensors.items():
+                if gguf == m.group(2):
+                    return f"model.layers.{m.group(1)}.{hf}"
         return None
 
     def qk_heads(self, hf_name: str, num_heads: int, num_kv_heads: int) -> int | None:
@@ -78,6 +146,37 @@ class Family:
         if ".self_attn.k_proj." in hf_name:
             return num_kv_heads
         return None
+
+    # ------------------------------------------------------------------------------ shapes
+    def tensor_shapes(self, arch: ArchSpec, layer: int) -> list[tuple[str, str, tuple[int, ...], str]]:
+        """(HF name, GGUF name, HF-orientation shape, role) of every tensor of block `layer`, in
+        checkpoint order."""
+        h, hd = arch.hidden_size, arch.head_dim
+        q, kv = arch.num_heads * hd, arch.num_kv_heads * hd
+        block: list[tuple[str, tuple[int, ...], str]] = [
+            ("input_layernorm.weight", (h,), NORM),
+            ("self_attn.q_proj.weight", (q, h), LINEAR),
+            ("self_attn.k_proj.weight", (kv, h), LINEAR),
+            ("self_attn.v_proj.weight", (kv, h), LINEAR),
+        ]
+        if arch.attention_bias:
+            block += [("self_attn.q_proj.bias", (q,), BIAS), ("self_attn.k_proj.bias", (kv,), BIAS),
+                      ("self_attn.v_proj.bias", (kv,), BIAS)]  # fmt: skip
+        if self.qk_norm:
+            block += [("self_attn.q_norm.weight", (hd,), NORM), ("self_attn.k_norm.weight", (hd,), NORM)]
+        block += [("self_attn.o_proj.weight", (h, q), LINEAR), ("post_attention_layernorm.weight", (h,), NORM)]
+        f, experts = arch.intermediate_size, int(arch.extra.get("num_experts", 0))
+        if not experts:
+            block += [("mlp.gate_proj.weight", (f, h), LINEAR), ("mlp.up_proj.weight", (f, h), LINEAR),
+                      ("mlp.down_proj.weight", (h, f), LINEAR)]  # fmt: skip
+        else:  # Mixtral (planning only): a router and experts w1/w3/w2 (gate/up/down), stacked in GGUF
+            block += [("block_sparse_moe.gate.weight", (experts, h), ROUTER),
+                      ("block_sparse_moe.experts.*.w1.weight", (experts, f, h), EXPERT),
+                      ("block_sparse_moe.experts.*.w3.weight", (experts, f, h), EXPERT),
+                      ("block_sparse_moe.experts.*.w2.weight", (experts, h, f), EXPERT)]  # fmt: skip
+        names = {**self.block_tensors, **MOE_TENSORS}
+        return [(f"model.layers.{layer}.{suffix}", f"blk.{layer}.{names[suffix]}", shape, role)
+                for suffix, shape, role in block]
 
 
 def permute_for_gguf(t: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -8,4 +8,5 @@ LLAMA = Family(
     hf_model_type="llama",
     gguf_arch="llama",
     permute_qk=True,
+    hf_config_keys=lambda arch: {"attention_bias": arch.attention_bias, "mlp_bias": False},
 )

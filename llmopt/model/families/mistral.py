@@ -9,4 +9,6 @@ MISTRAL = Family(
     gguf_arch="llama",
     permute_qk=True,
     reads_gguf=False,
+    hf_config_keys=lambda arch: {"attention_bias": arch.attention_bias, "mlp_bias": False,
+                                 "sliding_window": arch.sliding_window},
 )

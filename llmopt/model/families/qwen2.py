@@ -9,4 +9,5 @@ QWEN2 = Family(
     gguf_arch="qwen2",
     permute_qk=False,
     qkv_bias=True,
+    hf_config_keys=lambda arch: {"use_sliding_window": False},
 )

@@ -1,5 +1,2 @@
-"""Quantization: the `QuantizedTensor` in the middle, grids, RTN, GPTQ, AWQ and the layer pipeline."""
-
-from llmopt.quant.tensor import QuantizedTensor
-
-__all__ = ["QuantizedTensor"]
+"""Quantization: grids (the integer grid and every GGUF type), methods (RTN, GPTQ) and the
+layer-sequential pipeline that runs them. `QuantizedTensor` itself is in llmopt/quantized_tensor.py."""

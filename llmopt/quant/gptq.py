@@ -22,9 +22,14 @@ Implementation notes (our own, following the paper's algorithm):
   for that target are W + W·C·H⁻¹ with C = 2/N Σ (x_fp - x) xᵀ; minimising ‖(Q - W*)X‖ is the same
   problem up to a constant, so GPTQ runs unchanged on W* = W + α·W·C·H⁻¹ (α = `fp_target`; the
   paper uses 0.25 in its sequential form).
-- `refit_scales` (ours): once the codes are fixed, each row's group scales are re-solved by least
-  squares on the same objective GPTQ minimises, (w - ŵ) H (w - ŵ)ᵀ with ŵ_j = s_g (q_j - z_g), which
-  is linear in the scales. The min/max (or clipped) scales chosen before the column updates are
+- Any grid (grids/__init__.py): parameters are chosen for one span of columns when it starts (a
+  group of the integer grid, a GGUF (super-)block), from the error-updated weights, and columns
+  are rounded against them; a GGUF block's search sees its columns in their stored order and the
+  Hessian's diagonal as its importance vector (what llama.cpp's imatrix measures). GGUF stores no
+  g_idx, so act-order onto a GGUF grid needs static groups (or the group-aware order).
+- `refit_scales` (ours, integer grid only): once the codes are fixed, each row's group scales are
+  re-solved by least squares on the same objective GPTQ minimises, (w - ŵ) H (w - ŵ)ᵀ with
+  ŵ_j = s_g (q_j - z_g), which is linear in the scales. The min/max (or clipped) scales chosen before the column updates are
   rarely the best ones for the codes GPTQ ends up with.
 """
 
@@ -32,17 +37,23 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
-from llmopt.quant.int_grid import IntGrid, group_count
-from llmopt.quant.tensor import QuantizedTensor
+from llmopt.calibration.hessian import HessianAccumulator
+from llmopt.errors import OptionError
+from llmopt.quant.grids import Grid, IntGrid
+from llmopt.quant.grids.integer import IntParams
+from llmopt.quant.method import Collector, Quantized
+from llmopt.quantized_tensor import QuantizedTensor
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class GPTQConfig:
+    name: ClassVar[str] = "gptq"
     bits: int = 4
     group_size: int = 128  # > 0 per group, -1 per output channel
     sym: bool = True
@@ -56,10 +67,13 @@ class GPTQConfig:
     refit_scales: bool = False  # re-solve the scales for the final codes (least squares, see above)
     fp_target: float = 0.0  # GPTAQ's α: > 0 pulls the layer toward the full-precision model's output
     group_aware: bool = False  # act-order within contiguous groups (see above)
-    zero_min: int = 0  # 1 for GPTQ v1 checkpoints (see int_grid)
+    zero_min: int = 0  # 1 for GPTQ v1 checkpoints (see grids/integer.py)
 
     def grid(self) -> IntGrid:
-        return IntGrid(self.bits, self.sym, self.zero_min, self.mse)
+        return IntGrid(self.bits, self.sym, self.group_size, self.zero_min, self.mse)
+
+    def build(self) -> GPTQ:
+        return GPTQ(self)
 
 
 @dataclass
@@ -71,6 +85,47 @@ class GPTQResult:
     @property
     def loss(self) -> float:
         return float(self.row_loss.sum())
+
+
+class GPTQ:
+    """The method: one Hessian per stage; linears that share it and a grid are quantized stacked,
+    since GPTQ treats rows independently (one solve instead of several)."""
+
+    name = "gptq"
+    calibrated = True
+
+    def __init__(self, config: GPTQConfig):
+        self.config = config
+        self.full_precision_inputs = config.fp_target > 0
+
+    def collector(self, features: int, device: torch.device) -> Collector | None:
+        return HessianAccumulator(features, device, self.full_precision_inputs)
+
+    def quantize_stage(self, weights: dict[str, torch.Tensor], grids: dict[str, Grid],
+                       stats: Collector | None) -> dict[str, Quantized]:
+        assert isinstance(stats, HessianAccumulator)
+        out: dict[str, Quantized] = {}
+        by_grid: dict[Any, list[str]] = {}
+        for name in weights:
+            by_grid.setdefault(grids[name], []).append(name)
+        for grid, names in by_grid.items():
+            parts = [weights[n] for n in names]
+            stacked = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+            label = names[0] if len(names) == 1 else names[0].rpartition(".")[0] + "." + "+".join(
+                n.rpartition(".")[2] for n in names)  # for messages: model.layers.0.self_attn.q_proj+k_proj+v_proj
+            r = gptq_quantize(stacked, stats.value(), self.config, label, stats.cross, grid)
+            row = 0
+            for name, w in zip(names, parts):
+                rows = slice(row, row + w.shape[0])
+                row += w.shape[0]
+                details = {"gptq_loss": float(r.row_loss[rows].sum()), "damp": r.damp}
+                out[name] = Quantized(r.tensor.take_rows(rows) if len(names) > 1 else r.tensor, details)
+        return out
+
+    def provenance(self) -> dict[str, Any]:
+        c = self.config
+        return {"damp": c.damp, "act_order": c.act_order, "group_aware_order": c.group_aware,
+                "static_groups": c.static_groups, "mse": c.mse, "refit_scales": c.refit_scales, "gptaq": c.fp_target}
 
 
 def inverse_hessian_factor(h: torch.Tensor, damp: float, damp_step: float, name: str = "") -> tuple[torch.Tensor, float]:
@@ -93,16 +148,29 @@ def damped(h: torch.Tensor, damp: float) -> torch.Tensor:
     return h + damp * float(torch.diag(h).mean()) * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
 
 
+def check_grid(cfg: GPTQConfig, grid: Grid) -> None:
+    """Refuse the options a grid cannot hold, before any work."""
+    if isinstance(grid, IntGrid):
+        return
+    if cfg.act_order and not cfg.static_groups:
+        raise OptionError(f"<act_order> onto {grid.name} needs <static_groups>: GGUF stores no column permutation (g_idx)")
+    if cfg.refit_scales:
+        raise OptionError(f"<refit_scales> applies to the integer grid of GPTQ checkpoints, not {grid.name}")
+
+
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, name: str = "",
-                  cross: torch.Tensor | None = None) -> GPTQResult:
-    """Quantize `weight` [out, in] given the input Hessian [in, in] (float32, any scale) and, for
-    `fp_target`, GPTAQ's cross term 2/N Σ (x_fp - x) xᵀ on the same scale."""
-    grid = cfg.grid()
+                  cross: torch.Tensor | None = None, grid: Grid | None = None) -> GPTQResult:
+    """Quantize `weight` [out, in] onto `grid` (the config's integer grid by default) given the input
+    Hessian [in, in] (float32, any scale) and, for `fp_target`, GPTAQ's cross term 2/N Σ (x_fp - x) xᵀ
+    on the same scale."""
+    grid = cfg.grid() if grid is None else grid
+    check_grid(cfg, grid)
+    integer = isinstance(grid, IntGrid)
     w = weight.to(device=hessian.device, dtype=torch.float32).clone()
     h = hessian.to(torch.float32).clone()
     rows, cols = w.shape
-    gs = cols if cfg.group_size <= 0 else cfg.group_size
-    n_groups = group_count(cols, cfg.group_size)
+    gs = grid.span(cols)
+    n_groups = -(-cols // gs)
 
     dead = torch.diag(h) == 0
     h[dead, dead] = 1
@@ -113,36 +181,44 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, 
         w = w + cfg.fp_target * (w @ torch.linalg.solve(damped(h, cfg.damp), c.t()).t())  # W + α W C H⁻¹ (H symmetric)
         w[:, dead] = 0
     target, h_orig = (w.clone(), h.clone()) if cfg.refit_scales else (None, None)
+    diag = torch.diag(h).clone()  # importance of each input column, in stored order
 
-    weigh = cfg.mse and cfg.mse_weighted  # the clipping search weighs columns by diag H
-    static: tuple[torch.Tensor, torch.Tensor] | None = None
-    if cfg.static_groups or cfg.group_size <= 0:
-        static = _group_params(grid, w, gs, n_groups, torch.diag(h) if weigh else None)
+    def importance(g: int, order: torch.Tensor | None = None) -> torch.Tensor | None:
+        """What the span's parameter search weighs columns by: the integer grid's clipping search
+        takes diag H (processing order) when weighted; a GGUF block's search takes it as its imatrix."""
+        if integer:
+            if not (cfg.mse and cfg.mse_weighted):
+                return None
+            return diag[g * gs: (g + 1) * gs] if order is None else energy[order]
+        return diag[g * gs: (g + 1) * gs]
+
+    params: list[Any] = [None] * n_groups
+    static = cfg.static_groups or cfg.group_size <= 0 and integer
+    if static:
+        for g in range(n_groups):
+            params[g] = grid.choose(w[:, g * gs: (g + 1) * gs], importance(g))
 
     perm = torch.argsort(torch.diag(h), descending=True) if cfg.act_order else None
-    group_aware = cfg.group_aware and static is None and not cfg.act_order
+    group_aware = cfg.group_aware and not static and not cfg.act_order
     if group_aware:
         perm = group_aware_order(torch.diag(h), gs)
     if perm is not None:
         w = w[:, perm]
         h = h[perm][:, perm]
     hinv, damp = inverse_hessian_factor(h, cfg.damp, cfg.damp_step, name)
-    energy = torch.diag(h).clone() if weigh else None  # in processing order
+    energy = torch.diag(h).clone()  # in processing order
 
     codes = torch.zeros(rows, cols, dtype=torch.uint8, device=w.device)
-    scales = torch.zeros(rows, n_groups, dtype=torch.float32, device=w.device)
-    zeros = torch.zeros(rows, n_groups, dtype=torch.float32, device=w.device)
-    if static is not None:
-        scales, zeros = static
     # group of each processed (possibly permuted) column
-    if perm is not None and (static is not None or group_aware):
+    if perm is not None and (static or group_aware):
         col_group = perm // gs
     else:
         col_group = torch.arange(cols, device=w.device) // gs
     col_group_cpu = col_group.tolist()
+    stored = perm.tolist() if perm is not None else range(cols)  # each processed column's stored index
     loss = torch.zeros(rows, dtype=torch.float32, device=w.device)
 
-    scale = zero = None
+    p = None
     for b0 in range(0, cols, cfg.block_size):
         b1 = min(b0 + cfg.block_size, cols)
         w_blk = w[:, b0:b1].clone()
@@ -151,19 +227,24 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, 
         for i in range(b1 - b0):
             c = b0 + i
             g = col_group_cpu[c]
-            if static is None:
-                if c == 0 or g != col_group_cpu[c - 1]:  # a group starts: its parameters from the current weights
-                    end = c + min((g + 1) * gs, cols) - g * gs  # c plus the group's width
-                    current = w_blk[:, i:] if end <= b1 else torch.cat([w_blk[:, i:], w[:, b1:end]], dim=1)
-                    scale, zero = grid.params(current[:, : end - c], None if energy is None else energy[c:end])
-                    scales[:, g], zeros[:, g] = scale, zero
-            else:
-                scale, zero = scales[:, g], zeros[:, g]
+            if static:
+                p = params[g]
+            elif c == 0 or g != col_group_cpu[c - 1]:  # a span starts: its parameters from the current weights
+                end = c + min((g + 1) * gs, cols) - g * gs  # c plus the span's width
+                current = w_blk[:, i:] if end <= b1 else torch.cat([w_blk[:, i:], w[:, b1:end]], dim=1)
+                current = current[:, : end - c]
+                order = None
+                if integer:
+                    order = slice(c, end) if perm is not None or group_aware else None
+                elif perm is not None:  # a GGUF block's sub-blocks are positional: search it in stored order
+                    current = current[:, torch.argsort(perm[c:end])]
+                p = params[g] = grid.choose(current, importance(g, order))
             col = w_blk[:, i]
-            q = grid.quantize(col.unsqueeze(1), scale.unsqueeze(1), zero.unsqueeze(1)).squeeze(1)
+            j = stored[c] - g * gs  # the column's place in its span
+            q = grid.round(col, p, j)
             codes[:, c] = q.to(torch.uint8)
             d = hinv_blk[i, i]
-            e = (col - (q - zero) * scale) / d
+            e = (col - grid.value(q, p, j)) / d
             loss += e.pow(2) / 2  # (w - q)^2 / d^2 / 2, the paper's per-column loss
             w_blk[:, i:] -= e.unsqueeze(1) * hinv_blk[i, i:].unsqueeze(0)
             err_blk[:, i] = e
@@ -173,14 +254,15 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, 
     if perm is not None:
         inv = torch.argsort(perm)
         codes = codes[:, inv]
-        if static is None and not group_aware:
+        if not static and not group_aware:
             g_idx = col_group[inv].to(torch.int32)  # groups were formed in processing order
     if target is not None:
         groups = g_idx.long() if g_idx is not None else torch.arange(cols, device=w.device) // gs
+        scales = torch.stack([q.scale for q in params], dim=1)
+        zeros = torch.stack([q.zero for q in params], dim=1)
         scales = refit_scales(target, codes, zeros, groups, scales, damped(h_orig, damp))
-    qt = QuantizedTensor(codes=codes, scales=scales, bits=cfg.bits, group_size=cfg.group_size,
-                         zeros=None if cfg.sym else zeros.to(torch.int32), g_idx=g_idx, grid="int")
-    return GPTQResult(qt, loss.cpu(), damp)
+        params = [IntParams(scales[:, g], zeros[:, g]) for g in range(n_groups)]
+    return GPTQResult(grid.assemble_spans(codes, params, g_idx), loss.cpu(), damp)
 
 
 def group_aware_order(energy: torch.Tensor, gs: int) -> torch.Tensor:
@@ -223,14 +305,3 @@ def refit_scales(w: torch.Tensor, codes: torch.Tensor, zeros: torch.Tensor, grou
     ok = torch.isfinite(solved) & (solved > 0)
     solved = torch.where(ok, solved, scales).to(torch.float16).to(torch.float32)
     return torch.where(solved > 0, solved, scales)
-
-
-def _group_params(grid: IntGrid, w: torch.Tensor, gs: int, n_groups: int,
-                  energy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, cols = w.shape
-    scales = torch.empty(rows, n_groups, dtype=torch.float32, device=w.device)
-    zeros = torch.empty_like(scales)
-    for g in range(n_groups):
-        cols_g = slice(g * gs, (g + 1) * gs)
-        scales[:, g], zeros[:, g] = grid.params(w[:, cols_g], None if energy is None else energy[cols_g])
-    return scales, zeros

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmopt.model.gptq_dir import GPTQParts
+from llmopt.quantized_tensor import QuantizedTensor
 
 GROUP_SIZES = (32, 64, 128, 256)
 # The CPU kernel has a fast path for bfloat16 activations only (float32 input is ~80x slower on a
@@ -20,25 +20,26 @@ GROUP_SIZES = (32, 64, 128, 256)
 KERNEL_DTYPE = torch.bfloat16
 
 
-def packable(parts: GPTQParts, device: torch.device) -> bool:
-    out_f, in_f = parts.codes.shape
-    gs = parts.group_size
-    return (device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and parts.bits == 4
-            and gs in GROUP_SIZES and in_f % gs == 0 and torch.equal(parts.g_idx, torch.arange(in_f) // gs))
+def packable(qt: QuantizedTensor, device: torch.device) -> bool:
+    out_f, in_f = qt.shape
+    gs = qt.group_size
+    return (device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and qt.bits == 4
+            and qt.zeros is not None and gs in GROUP_SIZES and in_f % gs == 0
+            and torch.equal(qt.group_index(), torch.arange(in_f) // gs))
 
 
 class PackedInt4Linear(nn.Module):
     """y = x W^T (+ b) with W held as packed 4-bit codes and per-group scale/offset pairs."""
 
-    def __init__(self, parts: GPTQParts, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, qt: QuantizedTensor, bias: torch.Tensor | None):
         super().__init__()
         dtype = KERNEL_DTYPE
-        self.out_features, self.in_features = parts.codes.shape
-        self.group_size = parts.group_size
+        self.out_features, self.in_features = qt.shape
+        self.group_size = qt.group_size
         self.dtype = dtype
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(parts.codes.to(torch.int32), 1))
-        scales = parts.scales.to(torch.float32)  # [groups, out]
-        offsets = (8.0 - parts.zeros.to(torch.float32)) * scales
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(qt.codes.to(torch.int32), 1))
+        scales = qt.scales.to(torch.float32).t()  # [groups, out]
+        offsets = (8.0 - qt.zeros.to(torch.float32).t()) * scales
         self.register_buffer("scales_and_zeros", torch.stack([scales, offsets], dim=-1).to(dtype).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
 

@@ -11,13 +11,14 @@ from dataclasses import dataclass
 import torch
 
 from llmopt.device import resolve_device
-from llmopt.errors import InputError
+from llmopt.errors import InputError, OptionError
 from llmopt.model import ModelSource, TokenizerInfo, open_model
 from llmopt.model.decoder import Decoder, Rotary, hf_to_param_name
-from llmopt.model.gptq_dir import GPTQDirSource, GPTQParts
+from llmopt.model.gptq_dir import GPTQDirSource
 from llmopt.runtime.arena import pack_contiguously
 from llmopt.runtime.int4 import PackedInt4Linear, packable
 from llmopt.runtime.row_major import use_row_major_linears
+from llmopt.quantized_tensor import QuantizedTensor
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -27,7 +28,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     if name not in DTYPES:
-        raise InputError(f"bad --dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
+        raise OptionError(f"bad <dtype> {name!r}; choose one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
 
 
@@ -74,23 +75,23 @@ def _gptq_decoder(source: GPTQDirSource, dtype: torch.dtype, device: torch.devic
     arch = source.arch
     with torch.device("meta"):
         model = Decoder(arch)
-    kept: dict[str, GPTQParts] = {}
+    kept: dict[str, QuantizedTensor] = {}
     state = {}
     for name in source.tensors:
         module = name.removesuffix(".weight")
         if packed and name.endswith(".weight") and module in source.modules:
-            parts = source.gptq_parts(module)
-            if packable(parts, device):
-                kept[hf_to_param_name(module)] = parts
+            qt = source.quantized(module)
+            if packable(qt, device):
+                kept[hf_to_param_name(module)] = qt
                 continue
         state[hf_to_param_name(name)] = source.load(name, dtype=torch.float32).to(device=device, dtype=dtype)
     if "lm_head.weight" not in state and "lm_head" not in kept:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state, strict=False, assign=True)
-    for path, parts in kept.items():
+    for path, qt in kept.items():
         parent, _, child = path.rpartition(".")
         old = model.get_submodule(path)
-        setattr(model.get_submodule(parent) if parent else model, child, PackedInt4Linear(parts, old.bias, dtype))
+        setattr(model.get_submodule(parent) if parent else model, child, PackedInt4Linear(qt, old.bias))
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise InputError(f"{source.path}: missing tensors {left[:3]}{' ...' if len(left) > 3 else ''}")
@@ -101,6 +102,6 @@ def _gptq_decoder(source: GPTQDirSource, dtype: torch.dtype, device: torch.devic
 def set_threads(threads: int) -> None:
     """`--threads N`: fewer threads than cores is faster when other work shares the machine."""
     if threads < 0:
-        raise InputError(f"--threads must be >= 0, got {threads}")
+        raise OptionError(f"<threads> must be >= 0, got {threads}")
     if threads:
         torch.set_num_threads(threads)

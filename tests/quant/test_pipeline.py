@@ -6,14 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import llmopt.quant.pipeline as pipeline
+import llmopt.quant.gptq as gptq
 from llmopt.calibration.samples import CalibConfig, calibration_tokens
 from llmopt.calibration.text import CalibText
-from llmopt.formats.gptq import write_quantized
 from llmopt.model import open_model
 from llmopt.quant.gptq import GPTQConfig
 from llmopt.quant.pipeline import QuantizeSpec, quantize_model
-from tests.factories import CORPUS, make_tiny_hf
+from tests.factories import CORPUS, make_tiny_hf, write_checkpoint
 
 
 def _tokens(src, n=6, t=40):
@@ -25,9 +24,9 @@ def _linear_inputs(model, tokens) -> dict[str, torch.Tensor]:
     inputs: dict[str, list[torch.Tensor]] = {}
     hooks = []
     for i, layer in enumerate(model.model.layers):
-        for label, module in ((f"model.layers.{i}.q_proj+k_proj+v_proj", layer.self_attn.q_proj),
+        for label, module in ((f"model.layers.{i}.self_attn.q_proj+k_proj+v_proj", layer.self_attn.q_proj),
                               (f"model.layers.{i}.self_attn.o_proj", layer.self_attn.o_proj),
-                              (f"model.layers.{i}.gate_proj+up_proj", layer.mlp.gate_proj),
+                              (f"model.layers.{i}.mlp.gate_proj+up_proj", layer.mlp.gate_proj),
                               (f"model.layers.{i}.mlp.down_proj", layer.mlp.down_proj)):
             hooks.append(module.register_forward_pre_hook(lambda m, a, label=label: inputs.setdefault(label, []).append(a[0])))
     with torch.no_grad():
@@ -46,21 +45,21 @@ def test_hessians_follow_the_quantized_model(tmp_path, monkeypatch, family, fp_t
 
     seen: dict[str, torch.Tensor] = {}
     crosses: dict[str, torch.Tensor] = {}
-    real = pipeline.gptq_quantize
+    real = gptq.gptq_quantize
 
-    def spy(weight, hessian, cfg, name="", cross=None):
+    def spy(weight, hessian, cfg, name="", cross=None, grid=None):
         seen[name] = hessian.clone()
         if cross is not None:
             crosses[name] = cross.clone()
-        return real(weight, hessian, cfg, name, cross)
+        return real(weight, hessian, cfg, name, cross, grid)
 
-    monkeypatch.setattr(pipeline, "gptq_quantize", spy)
-    spec = QuantizeSpec("gptq", gptq=GPTQConfig(3, 32, True, fp_target=fp_target), batch_size=4)
+    monkeypatch.setattr(gptq, "gptq_quantize", spy)
+    spec = QuantizeSpec(GPTQConfig(3, 32, True, fp_target=fp_target), batch_size=4)
     # a float16 source, so the float16 embeddings and norms of the checkpoint are exactly the source's
     source_dir = make_tiny_hf(tmp_path / "src", family, dtype=torch.float16)
     with open_model(source_dir) as src:
         tokens = _tokens(src)
-        out = write_quantized(src, spec, quantize_model(src, spec, tokens), tmp_path / "q")
+        out = write_checkpoint(src, spec, quantize_model(src, spec, tokens), tmp_path / "q")
     assert len(seen) == 2 * 4  # four stages per block: q+k+v, o, gate+up, down
     assert len(crosses) == (8 if fp_target else 0)
 
@@ -83,7 +82,7 @@ def test_hessians_follow_the_quantized_model(tmp_path, monkeypatch, family, fp_t
             expected = 2 * (fp_inputs[label] - x).t() @ x / x.shape[0]
             scale = float(seen[label].abs().max())
             assert torch.allclose(crosses[label].double(), expected, atol=1e-4 * scale), label
-        assert float(crosses["model.layers.0.q_proj+k_proj+v_proj"].abs().max()) == 0  # same inputs in block 0
+        assert float(crosses["model.layers.0.self_attn.q_proj+k_proj+v_proj"].abs().max()) == 0  # same inputs in block 0
         assert float(crosses["model.layers.1.mlp.down_proj"].abs().max()) > 1e-3 * float(seen["model.layers.1.mlp.down_proj"].abs().max())
 
 
@@ -91,7 +90,7 @@ def test_rtn_needs_no_data_and_streams_blocks(tiny_models) -> None:
     from llmopt.quant.rtn import RTNConfig
 
     with open_model(tiny_models("mistral")) as src:
-        results = list(quantize_model(src, QuantizeSpec("rtn", rtn=RTNConfig(4, 32, False))))
+        results = list(quantize_model(src, QuantizeSpec(RTNConfig(4, 32, False))))
     assert [r.layer for r in results] == [0, 1]
     assert all(len(r.tensors) == 7 and len(r.reports) == 7 for r in results)
     assert all(r.reports[0].metrics["sqnr_db"] > 15 for r in results)
@@ -102,19 +101,19 @@ def test_bfloat16_forward_quantizes_the_source_weights(tmp_path, monkeypatch, fp
     """With a bfloat16 calibration forward, GPTQ still gets the source's exact weights, and float32
     Hessians close to the float32 forward's."""
     calls: dict[torch.dtype, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
-    real = pipeline.gptq_quantize
+    real = gptq.gptq_quantize
     source_dir = make_tiny_hf(tmp_path / "src", "llama", dtype=torch.float16)
     with open_model(source_dir) as src:
         tokens = _tokens(src)
         for dt in (torch.float32, torch.bfloat16):
             seen = calls.setdefault(dt, {})
 
-            def spy(weight, hessian, cfg, name="", cross=None, seen=seen):
+            def spy(weight, hessian, cfg, name="", cross=None, grid=None, seen=seen):
                 seen[name] = (weight.clone(), hessian.clone())
-                return real(weight, hessian, cfg, name, cross)
+                return real(weight, hessian, cfg, name, cross, grid)
 
-            monkeypatch.setattr(pipeline, "gptq_quantize", spy)
-            spec = QuantizeSpec("gptq", gptq=GPTQConfig(4, 32, True, fp_target=fp_target), batch_size=4, act_dtype=dt)
+            monkeypatch.setattr(gptq, "gptq_quantize", spy)
+            spec = QuantizeSpec(GPTQConfig(4, 32, True, fp_target=fp_target), batch_size=4, act_dtype=dt)
             list(quantize_model(src, spec, tokens))
     full, half = calls[torch.float32], calls[torch.bfloat16]
     assert set(full) == set(half) and len(full) == 8

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from llmopt.quant.int_grid import IntGrid
+from llmopt.quant.grids.integer import IntGrid
 from llmopt.quant.metrics import weight_error
 from llmopt.quant.rtn import RTNConfig, rtn_quantize
 

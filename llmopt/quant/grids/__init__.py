@@ -1,34 +1,68 @@
-"""GGUF types as grids: each maps a float weight (and optional importance vector) to a QuantizedTensor.
+"""Grids: every way llmopt can round a weight, behind one contract.
 
-`GRIDS[type_name].quantize(weight[rows, cols], importance[cols] | None)` returns codes and the
-type's raw fields in `aux` (fp16 super-scales, 6-bit sub-scales, ...), from which
-`llmopt.formats.gguf.blocks` writes llama.cpp's bytes. F32/F16/BF16 are plain casts (`floats`).
+A grid is the set of values a quantized weight can take and how its parameters are stored: the
+integer grid of GPTQ/AWQ checkpoints (`IntGrid`), or one GGUF type (Q4_0 ... Q8_0, Q2_K ... Q6_K),
+whose raw fields (fp16 super-scales, 6-bit sub-scales, ...) `llmopt.formats.gguf.blocks` packs
+into llama.cpp's bytes. Every grid does three things:
+
+- `quantize(weight, importance)`: round to nearest over the whole matrix (for the GGUF types
+  exactly as llama.cpp's reference quantizers, importance matrix included);
+- `choose(columns, importance)`: the parameters of one span of columns (`span(cols)` wide: a
+  group, or a GGUF (super-)block), from the weights as they stand;
+- `round(column, params, j)` / `value(codes, params, j)`: one column's codes with those parameters
+  fixed, and what the codes stand for; `assemble_spans` collects the result.
+
+Methods round onto whatever grid they are given: GPTQ's error feedback onto Q4_K is `gptq` with
+`GRIDS["Q4_K"]`, not a separate code path.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from llmopt.errors import InputError
 from llmopt.quant.grids import legacy, q2_k, q3_k, q4_k, q6_k
-from llmopt.quant.tensor import QuantizedTensor
+from llmopt.quant.grids.integer import IntGrid
+from llmopt.quantized_tensor import QuantizedTensor
 
 
 class Grid(Protocol):
+    name: str  # "int", or the GGML type name
+    bits: int
+    block: int  # row lengths must be a multiple of this
+
     def quantize(self, weight: torch.Tensor, importance: torch.Tensor | None = None) -> QuantizedTensor: ...
 
+    def span(self, cols: int) -> int: ...
 
-GRIDS: dict[str, Grid] = {
+    def choose(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> Any: ...
+
+    def round(self, x: torch.Tensor, params: Any, j: int) -> torch.Tensor: ...
+
+    def value(self, q: torch.Tensor, params: Any, j: int) -> torch.Tensor: ...
+
+    def assemble_spans(self, codes: torch.Tensor, params: list[Any], g_idx: torch.Tensor | None = None) -> QuantizedTensor: ...
+
+
+GRIDS: dict[str, Any] = {
     "Q8_0": legacy.Q8_0, "Q4_0": legacy.Q4_0, "Q4_1": legacy.Q4_1, "Q5_0": legacy.Q5_0, "Q5_1": legacy.Q5_1,
     "Q2_K": q2_k.Q2_K, "Q3_K": q3_k.Q3_K, "Q4_K": q4_k.Q4_K, "Q5_K": q4_k.Q5_K, "Q6_K": q6_k.Q6_K,
 }  # fmt: skip
 
 
-def quantize(type_name: str, weight: torch.Tensor, importance: torch.Tensor | None = None) -> QuantizedTensor:
-    """Quantize a [rows, cols] weight onto GGML type `type_name` as llama.cpp's quantizer does."""
+def gguf_grid(type_name: str) -> Any:
+    """The grid of GGML type `type_name`."""
     grid = GRIDS.get(type_name)
     if grid is None:
         raise InputError(f"no grid for GGML type {type_name!r}; have {', '.join(GRIDS)}")
-    return grid.quantize(weight, importance)
+    return grid
+
+
+def quantize(type_name: str, weight: torch.Tensor, importance: torch.Tensor | None = None) -> QuantizedTensor:
+    """Quantize a [rows, cols] weight onto GGML type `type_name` as llama.cpp's quantizer does."""
+    return gguf_grid(type_name).quantize(weight, importance)
+
+
+__all__ = ["GRIDS", "Grid", "IntGrid", "gguf_grid", "quantize"]

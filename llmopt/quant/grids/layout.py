@@ -5,12 +5,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
 from llmopt.errors import InputError
 from llmopt.quant.grids.numerics import blocks_major, nearest_int, seq_sum
-from llmopt.quant.tensor import QuantizedTensor
+from llmopt.quantized_tensor import QuantizedTensor
 
 QK_K = 256  # elements per K-quant super-block
 CHUNK_ELEMENTS = 1 << 18  # rows are quantized in chunks of about this many elements (a chunk's temporaries stay in cache)
@@ -100,12 +101,30 @@ def to_rows(major: torch.Tensor, rows: int) -> torch.Tensor:
     return major.t().reshape(rows, -1)
 
 
+@dataclass(frozen=True)
+class BlockParams:
+    """One (super-)block's parameters for every row: the type's raw fields, and what they mean per
+    sub-block as w = scale·q + offset ([rows, sub-blocks] each)."""
+
+    fields: dict[str, torch.Tensor]
+    scale: torch.Tensor
+    offset: torch.Tensor
+    sub: int  # columns per sub-block
+
+
 class BlockGrid:
-    """A GGML block type as a grid: `chunk` quantizes whole rows into raw fields, `assemble` turns the
-    fields of all chunks into one QuantizedTensor."""
+    """A GGML block type as a grid.
+
+    Round to nearest (`quantize`) runs the type's reference search over whole rows in chunks:
+    `chunk` quantizes rows into raw fields, `assemble` turns the fields into one QuantizedTensor.
+    Error feedback (GPTQ) uses the same search one block at a time (`choose`, on the weights as
+    they stand when the block starts), then rounds column by column against those fixed parameters
+    (`round`, `value`) and collects the blocks (`assemble_spans`).
+    """
 
     name: str
     block: int  # elements per (super-)block: rows must be a multiple
+    bits: int
 
     def quantize(self, weight: torch.Tensor, importance: torch.Tensor | None = None) -> QuantizedTensor:
         w = check_rows(weight, self.block, self.name)
@@ -116,6 +135,39 @@ class BlockGrid:
 
     def assemble(self, out: dict[str, torch.Tensor]) -> QuantizedTensor:
         raise NotImplementedError
+
+    # ---------------------------------------------------------------------------- error feedback
+    def span(self, cols: int) -> int:
+        check_rows(torch.empty(0, cols), self.block, self.name)
+        return self.block
+
+    def choose(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> BlockParams:
+        """The reference search's parameters for one block of columns, `w` [rows, block]."""
+        fields = self.chunk(w.to(torch.float32).contiguous(), importance)
+        qt = self.assemble(fields)
+        offset = -qt.mins if qt.mins is not None else -float(1 << (self.bits - 1)) * qt.scales
+        return BlockParams({k: v for k, v in fields.items() if k != "codes"}, qt.scales, offset, qt.group_size)
+
+    def round(self, x: torch.Tensor, p: BlockParams, j: int) -> torch.Tensor:
+        """Codes of column `j` of the block, x [rows], with fixed parameters (nearest level)."""
+        a, b = p.scale[:, j // p.sub], p.offset[:, j // p.sub]
+        q = torch.round((x - b) / torch.where(a == 0, torch.ones_like(a), a)).clamp_(0, (1 << self.bits) - 1)
+        return torch.where(a == 0, torch.full_like(q, self._zero_code(p)), q)
+
+    def value(self, q: torch.Tensor, p: BlockParams, j: int) -> torch.Tensor:
+        return p.scale[:, j // p.sub] * q + p.offset[:, j // p.sub]
+
+    def _zero_code(self, p: BlockParams) -> float:
+        """The code stored where a sub-block's scale is 0 (every code means the offset there)."""
+        return 0.0 if "dmin" in p.fields or "m" in p.fields else float(1 << (self.bits - 1))
+
+    def assemble_spans(self, codes: torch.Tensor, params: list[BlockParams],
+                        g_idx: torch.Tensor | None = None) -> QuantizedTensor:  # fmt: skip
+        """The QuantizedTensor of `codes` [rows, cols] with one BlockParams per block, in column order."""
+        if g_idx is not None:
+            raise InputError(f"{self.name} has no column permutation (g_idx); use static groups with act-order")
+        out = {k: torch.cat([p.fields[k] for p in params], dim=1) for k in params[0].fields}
+        return self.assemble({"codes": codes.to(torch.uint8), **out})
 
 
 def scale_min_fields(x: torch.Tensor, L: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor,

@@ -15,7 +15,7 @@ import torch
 from llmopt.quant.grids.layout import BlockGrid, importance_major, to_rows
 from llmopt.quant.grids.numerics import blocks_major, c_max, c_min, c_sqrt, first_absmax, rdiv, seq_sum
 from llmopt.quant.grids.searches import make_qkx_quants, make_qx_quants
-from llmopt.quant.tensor import QuantizedTensor
+from llmopt.quantized_tensor import QuantizedTensor
 
 QK = 32
 
@@ -109,6 +109,7 @@ class Q8Grid(BlockGrid):
 
     name: str = "Q8_0"
     block: int = QK
+    bits: int = 8
 
     def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         rows = w.shape[0]

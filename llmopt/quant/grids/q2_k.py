@@ -12,7 +12,7 @@ import torch
 from llmopt.quant.grids.layout import QK_K, BlockGrid, importance_major, per_block, scale_min_fields, scale_min_tensor, superblock_sum_x2
 from llmopt.quant.grids.numerics import blocks_major, c_sqrt, fp16, nearest_int, positive_max, rdiv, seq_sum, uint8_wrap
 from llmopt.quant.grids.searches import make_qkx_quants, make_qp_quants
-from llmopt.quant.tensor import QuantizedTensor
+from llmopt.quantized_tensor import QuantizedTensor
 
 SUB = 16
 N_SUB = QK_K // SUB
@@ -21,6 +21,7 @@ N_SUB = QK_K // SUB
 class Q2KGrid(BlockGrid):
     name = "Q2_K"
     block = QK_K
+    bits = 2
 
     def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         rows = w.shape[0]

@@ -12,7 +12,7 @@ import torch
 from llmopt.quant.grids.layout import QK_K, BlockGrid, importance_major, per_block, superblock_sum_x2, to_rows
 from llmopt.quant.grids.numerics import blocks_major, c_sqrt, first_absmax, fp16, nearest_int, rdiv, seq_sum
 from llmopt.quant.grids.searches import make_q3_quants, make_qx_quants
-from llmopt.quant.tensor import QuantizedTensor
+from llmopt.quantized_tensor import QuantizedTensor
 
 SUB = 16
 N_SUB = QK_K // SUB
@@ -21,6 +21,7 @@ N_SUB = QK_K // SUB
 class Q3KGrid(BlockGrid):
     name = "Q3_K"
     block = QK_K
+    bits = 3
 
     def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         rows = w.shape[0]

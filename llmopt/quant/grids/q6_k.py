@@ -12,7 +12,7 @@ import torch
 from llmopt.quant.grids.layout import QK_K, BlockGrid, importance_major, per_block, to_rows
 from llmopt.quant.grids.numerics import GROUP_MAX_EPS, blocks_major, first_absmax, fp16, nearest_int, rdiv
 from llmopt.quant.grids.searches import make_qx_quants
-from llmopt.quant.tensor import QuantizedTensor
+from llmopt.quantized_tensor import QuantizedTensor
 
 SUB = 16
 N_SUB = QK_K // SUB
@@ -21,6 +21,7 @@ N_SUB = QK_K // SUB
 class Q6KGrid(BlockGrid):
     name = "Q6_K"
     block = QK_K
+    bits = 6
 
     def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         rows = w.shape[0]

@@ -58,6 +58,34 @@ class QuantizedTensor:
             return t.expand(self.shape[0], 1) if t.shape[0] == 1 else t
         return t[:, self.group_index()]
 
+    def take_rows(self, rows: torch.Tensor | slice) -> QuantizedTensor:
+        """The output rows `rows` (a slice or an index tensor) as a QuantizedTensor of their own, every
+        per-row field with them: codes, scales, zeros, mins and the grid's raw fields in `aux`.
+        (Rows are independent in every grid: stacked linears split, Q/K rows permute for GGUF.)"""
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            if t.shape[0] == 1 and self.shape[0] != 1:  # one parameter row shared by all (per-tensor)
+                return t
+            return t[rows]
+
+        return QuantizedTensor(
+            codes=self.codes[rows], scales=pick(self.scales), bits=self.bits, group_size=self.group_size,
+            zeros=pick(self.zeros), mins=pick(self.mins), g_idx=self.g_idx, grid=self.grid,
+            aux={k: pick(v) for k, v in self.aux.items()},
+        )  # fmt: skip
+
+    def to(self, device: torch.device | str) -> QuantizedTensor:
+        """The same tensor with every field on `device`."""
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return QuantizedTensor(self.codes.to(device), self.scales.to(device), self.bits, self.group_size,
+                               move(self.zeros), move(self.mins), move(self.g_idx), self.grid,
+                               {k: v.to(device) for k, v in self.aux.items()})  # fmt: skip
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The exact weights these codes stand for, computed in float32."""
         q = self.codes.to(torch.float32)

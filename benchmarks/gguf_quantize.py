@@ -31,7 +31,7 @@ from benchmarks.proc_status import status_kib  # noqa: E402
 
 # ------------------------------------------------------------------------------------------ jobs
 def job_llmopt(src: str, out: str, mix: str, imatrix: str | None) -> dict:
-    from llmopt.calibration.imatrix import read_imatrix
+    from llmopt.formats.imatrix import read_imatrix
     from llmopt.formats.gguf.writer import plan_gguf, write_gguf
     from llmopt.model import open_model
 
@@ -44,7 +44,7 @@ def job_llmopt(src: str, out: str, mix: str, imatrix: str | None) -> dict:
 
 
 def job_llama(src: str, out: str, mix: str, imatrix: str | None, threads: int) -> dict:
-    from llmopt.calibration.imatrix import read_imatrix
+    from llmopt.formats.imatrix import read_imatrix
     from tests.formats.gguf.llama_cpp_helpers import llama_quantize
 
     imat = None if not imatrix else {k: v.numpy() for k, v in read_imatrix(Path(imatrix)).importance().items()}

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmopt.errors import InputError
+from llmopt.errors import InputError, OptionError
 
 # name -> (datasets path, config, split, text field, data_files)
 PRESETS: dict[str, tuple[str, str | None, str, str, str | None]] = {
@@ -36,15 +36,15 @@ def read_texts(spec: str, field: str | None = None) -> CalibText:
     if spec in PRESETS and not path.exists():
         docs = _from_datasets(spec)
     elif path.is_dir():
-        raise InputError(f"--calib {spec}: is a directory; give a .txt, .jsonl or .parquet file")
+        raise OptionError(f"<calib> {spec}: is a directory; give a .txt, .jsonl or .parquet file")
     elif path.is_file():
         docs = _from_file(path, field)
     else:
         hint = f" (presets: {', '.join(PRESETS)}, or 'self')"
-        raise InputError(f"--calib {spec}: no such file{hint}")
+        raise OptionError(f"<calib> {spec}: no such file{hint}")
     docs = [d for d in docs if d.strip()]
     if not docs:
-        raise InputError(f"--calib {spec}: the calibration source holds no text")
+        raise OptionError(f"<calib> {spec}: the calibration source holds no text")
     digest = hashlib.sha256()
     for d in docs:
         digest.update(d.encode("utf-8"))
@@ -59,11 +59,11 @@ def _from_file(path: Path, field: str | None) -> list[str]:
     if suffix == ".parquet":
         return _from_parquet(path, field or "text")
     if field is not None:
-        raise InputError(f"--calib-field applies to .jsonl and .parquet files, not {path.name}")
+        raise OptionError(f"<calib_field> applies to .jsonl and .parquet files, not {path.name}")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise InputError(f"--calib {path}: not UTF-8 text") from None
+        raise OptionError(f"<calib> {path}: not UTF-8 text") from None
     return [text]
 
 
@@ -76,12 +76,12 @@ def _from_jsonl(path: Path, field: str) -> list[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise InputError(f"--calib {path}:{n}: not a JSON line ({e.msg})") from None
+                raise OptionError(f"<calib> {path}:{n}: not a JSON line ({e.msg})") from None
             if not isinstance(record, dict) or field not in record:
-                raise InputError(f"--calib {path}:{n}: no field {field!r} (choose one with --calib-field)")
+                raise OptionError(f"<calib> {path}:{n}: no field {field!r} (choose one with <calib_field>)")
             value = record[field]
             if not isinstance(value, str):
-                raise InputError(f"--calib {path}:{n}: field {field!r} is not a string")
+                raise OptionError(f"<calib> {path}:{n}: field {field!r} is not a string")
             docs.append(value)
     return docs
 
@@ -94,9 +94,9 @@ def _from_parquet(path: Path, field: str) -> list[str]:
     try:
         table = pq.read_table(path)
     except Exception as e:  # pyarrow raises several types for bad files
-        raise InputError(f"--calib {path}: not a readable parquet file ({str(e).splitlines()[0]})") from None
+        raise OptionError(f"<calib> {path}: not a readable parquet file ({str(e).splitlines()[0]})") from None
     if field not in table.column_names:
-        raise InputError(f"--calib {path}: no column {field!r} (columns: {', '.join(table.column_names)}; choose with --calib-field)")
+        raise OptionError(f"<calib> {path}: no column {field!r} (columns: {', '.join(table.column_names)}; choose with <calib_field>)")
     return [v for v in table.column(field).to_pylist() if isinstance(v, str)]
 
 
@@ -105,11 +105,11 @@ def _from_datasets(name: str) -> list[str]:
     try:
         import datasets
     except ImportError:
-        raise InputError(f"--calib {name}: the preset needs the `datasets` package (pip install datasets), or give a local file") from None
+        raise OptionError(f"<calib> {name}: the preset needs the `datasets` package (pip install datasets), or give a local file") from None
     try:
         kwargs = {"data_files": data_files} if data_files else {}
         ds = datasets.load_dataset(path, config, split=split, **kwargs)
     except Exception as e:  # offline, missing, or refused: one line either way
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise InputError(f"--calib {name}: could not load {path} from the hub ({first}); offline? give a local .txt/.jsonl/.parquet file or --calib self") from None
+        raise OptionError(f"<calib> {name}: could not load {path} from the hub ({first}); offline? give a local .txt/.jsonl/.parquet file or <calib> self") from None
     return [r for r in ds[field] if isinstance(r, str)]

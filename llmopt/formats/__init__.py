@@ -1,1 +1,1 @@
-"""Writers: dense HF safetensors directories now; GGUF, GPTQ and AWQ checkpoints build on them."""
+"""Writers: GPTQ checkpoints and dense HF directories, GGUF files, importance-matrix files."""

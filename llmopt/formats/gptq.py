@@ -1,5 +1,5 @@
 """GPTQ checkpoints ("gptq" format v1, as AutoGPTQ, GPTQModel, transformers and vLLM read them) and
-dense dequantized HF directories, streamed from the quantization pipeline block by block.
+dense dequantized HF directories, written block by block as the quantization pipeline yields them.
 
 Per quantized linear `<module>`:
     qweight int32 [in·bits/32, out]   codes packed along the input dim (llmopt.model.packing)
@@ -9,8 +9,10 @@ Per quantized linear `<module>`:
     bias    float16 [out]             when the layer has one (copied from the source)
 Everything else (embeddings, norms, an unquantized head) is written as float16 from the source.
 `config.json` carries `quantization_config`; `quantize_config.json` repeats it for older readers.
-The tensor plan is known before any block is quantized, so shards stream: each block's results
-are written and dropped before the next block runs.
+
+`CheckpointWriter` is a sink: the caller hands it each `BlockResult` (`add`) and then `finish`es.
+The tensor plan is known before any block is quantized, so shards stream: each tensor is written
+as soon as everything before it is, and a block's results are dropped once written.
 """
 
 from __future__ import annotations
@@ -18,21 +20,21 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import llmopt
-from llmopt.errors import InputError
-from llmopt.formats.atomic import atomic_output_dir
-from llmopt.formats.safetensors_stream import PlannedTensor, write_sharded
+from llmopt.errors import OptionError
+from llmopt.formats.atomic import AtomicDir
+from llmopt.formats.safetensors_stream import PlannedTensor, ShardedWriter
 from llmopt.model.packing import PACK_BITS, pack_qweight, pack_qzeros, packed_length
 from llmopt.model.source import ModelSource
-from llmopt.quant.int_grid import group_count
-from llmopt.quant.pipeline import HEAD, LINEARS, BlockResult, QuantizeSpec
-from llmopt.quant.tensor import QuantizedTensor
+from llmopt.quant.grids.integer import group_count
+from llmopt.quant.gptq import GPTQConfig
+from llmopt.quant.pipeline import HEAD, BlockResult, QuantizeSpec, head_weight_name, quantized_modules
+from llmopt.quantized_tensor import QuantizedTensor
 
 FORMATS = ("gptq", "dense")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -40,38 +42,45 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def check_gptq_spec(spec: QuantizeSpec) -> None:
-    """Refuse what a GPTQ checkpoint cannot hold, before any work is done."""
-    if spec.bits not in PACK_BITS:
-        raise InputError(f"--bits {spec.bits}: GPTQ checkpoints hold {', '.join(map(str, PACK_BITS))} bits "
-                         f"(use --format dense for other widths)")
+def check_format(fmt: str) -> str:
+    if fmt not in FORMATS:
+        raise OptionError(f"bad <fmt> {fmt!r}; choose one of {', '.join(FORMATS)}")
+    return fmt
+
+
+def zero_min(fmt: str, sym: bool) -> int:
+    """The smallest zero point `fmt` can store: GPTQ v1 stores zero − 1, so an asymmetric zero of 0
+    would wrap; the integer grid then keeps zeros >= 1 (see grids/integer.py)."""
+    return 1 if fmt == "gptq" and not sym else 0
+
+
+def check_spec(spec: QuantizeSpec, fmt: str) -> None:
+    """Refuse what the format cannot hold, before any work is done."""
+    check_format(fmt)
+    if fmt == "gptq" and spec.method.bits not in PACK_BITS:
+        raise OptionError(f"<bits> {spec.method.bits}: GPTQ checkpoints hold {', '.join(map(str, PACK_BITS))} bits "
+                          f"(use <fmt> dense for other widths)")  # fmt: skip
 
 
 def quantization_config(spec: QuantizeSpec, provenance: dict[str, Any]) -> dict[str, Any]:
-    cfg = spec.gptq or spec.rtn
-    assert cfg is not None
-    gptq = spec.gptq
+    m = spec.method
+    gptq = m if isinstance(m, GPTQConfig) else None
     return {
         "quant_method": "gptq",
-        "bits": spec.bits,
-        "group_size": spec.group_size if spec.group_size > 0 else -1,
+        "bits": m.bits,
+        "group_size": m.group_size if m.group_size > 0 else -1,
         "desc_act": bool(gptq and gptq.act_order),
-        "sym": spec.sym,
+        "sym": m.sym,
         "lm_head": spec.quantize_head,
         "true_sequential": True,
         "static_groups": bool(gptq and gptq.static_groups),
         "damp_percent": gptq.damp if gptq else None,
         "damp_auto_increment": gptq.damp_step if gptq else None,
-        "mse": bool(cfg.mse),
+        "mse": bool(m.mse),
         "checkpoint_format": "gptq",
         "pack_dtype": "int32",
-        "meta": {"quantizer": [f"llmopt:{llmopt.__version__}"], "method": spec.method, "llmopt": provenance},
+        "meta": {"quantizer": [f"llmopt:{llmopt.__version__}"], "method": m.name, "llmopt": provenance},
     }
-
-
-def _quantized_modules(source: ModelSource, spec: QuantizeSpec) -> list[str]:
-    names = [f"model.layers.{i}.{lin}" for i in range(source.arch.num_layers) for lin in LINEARS]
-    return names + ([HEAD] if spec.quantize_head else [])
 
 
 def _order(name: str) -> tuple[int, int, str]:
@@ -85,7 +94,7 @@ def _order(name: str) -> tuple[int, int, str]:
 def plan_tensors(source: ModelSource, spec: QuantizeSpec, fmt: str) -> tuple[list[PlannedTensor], dict[str, str]]:
     """Every tensor to write, and for quantized ones the module that produces it."""
     arch = source.arch
-    quantized = set(_quantized_modules(source, spec))
+    quantized = set(quantized_modules(source, spec))
     names = [n for n in source.tensors if n.removesuffix(".weight") not in quantized or not n.endswith(".weight")]
     if spec.quantize_head and "lm_head.weight" not in source.tensors:
         names.append("lm_head.weight")  # a tied head gets its own quantized copy
@@ -95,33 +104,26 @@ def plan_tensors(source: ModelSource, spec: QuantizeSpec, fmt: str) -> tuple[lis
     producer: dict[str, str] = {}
     for module in quantized:
         names.append(f"{module}.weight")
+    bits, group_size = spec.method.bits, spec.method.group_size
     for name in sorted(set(names), key=_order):
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and module in quantized:
-            out_f, in_f = _linear_shape(source, module)
+            weight = head_weight_name(source) if module == HEAD else name
+            out_f, in_f = (int(d) for d in source.tensors[weight].shape)
             if fmt == "dense":
                 plan.append(PlannedTensor(name, (out_f, in_f), torch.float16))
                 producer[name] = module
                 continue
-            groups = group_count(in_f, spec.group_size)
-            for part, shape, dtype in (("qweight", (packed_length(in_f, spec.bits), out_f), torch.int32),
-                                       ("qzeros", (groups, packed_length(out_f, spec.bits)), torch.int32),
+            groups = group_count(in_f, group_size)
+            for part, shape, dtype in (("qweight", (packed_length(in_f, bits), out_f), torch.int32),
+                                       ("qzeros", (groups, packed_length(out_f, bits)), torch.int32),
                                        ("scales", (groups, out_f), torch.float16),
-                                       ("g_idx", (in_f,), torch.int32)):
+                                       ("g_idx", (in_f,), torch.int32)):  # fmt: skip
                 plan.append(PlannedTensor(f"{module}.{part}", shape, dtype))
                 producer[f"{module}.{part}"] = module
         else:
             plan.append(PlannedTensor(name, source.tensors[name].shape, torch.float16))
     return plan, producer
-
-
-def _linear_shape(source: ModelSource, module: str) -> tuple[int, int]:
-    if module == HEAD:
-        name = "lm_head.weight" if "lm_head.weight" in source.tensors else "model.embed_tokens.weight"
-    else:
-        name = f"{module}.weight"
-    out_f, in_f = source.tensors[name].shape
-    return int(out_f), int(in_f)
 
 
 def gptq_tensors(qt: QuantizedTensor) -> dict[str, torch.Tensor]:
@@ -144,78 +146,86 @@ def gptq_tensors(qt: QuantizedTensor) -> dict[str, torch.Tensor]:
     }
 
 
-class _Results:
-    """Pulls block results from the pipeline as the writer asks for their tensors (one block held)."""
+class CheckpointWriter:
+    """A sink for the pipeline's results: a GPTQ (or dense) HF directory at `out`, written atomically.
 
-    def __init__(self, blocks: Iterator[BlockResult], on_block: Callable[[BlockResult], None] | None):
-        self.blocks = blocks
-        self.on_block = on_block
-        self.held: dict[str, QuantizedTensor] = {}
-        self.packed: dict[str, dict[str, torch.Tensor]] = {}
+        with CheckpointWriter(source, spec, out) as writer:
+            for block in quantize_model(source, spec, tokens):
+                writer.add(block)
+            path = writer.finish()
+    """
 
-    def get(self, module: str) -> QuantizedTensor:
-        while module not in self.held:
-            try:
-                result = next(self.blocks)
-            except StopIteration:
-                raise RuntimeError(f"the pipeline produced no result for {module}") from None
-            self.held = dict(result.tensors)  # drop the previous block's results
-            self.packed.clear()
-            if self.on_block:
-                self.on_block(result)
-        return self.held[module]
-
-    def finish(self) -> None:
-        for result in self.blocks:  # a head or trailing results not asked for (none in practice)
-            if self.on_block:
-                self.on_block(result)
-
-
-def write_quantized(source: ModelSource, spec: QuantizeSpec, blocks: Iterator[BlockResult], out: Path,
-                    fmt: str = "gptq", provenance: dict[str, Any] | None = None, force: bool = False,
-                    max_shard_bytes: int = 5 * 10**9, on_block: Callable[[BlockResult], None] | None = None) -> Path:
-    """Write the pipeline's results for `source` as a GPTQ (or dense) HF directory at `out`, atomically."""
-    if fmt not in FORMATS:
-        raise InputError(f"bad --format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    provenance = provenance or {}
-    plan, producer = plan_tensors(source, spec, fmt)
-    results = _Results(blocks, on_block)
-
-    def produce(t: PlannedTensor) -> torch.Tensor:
-        module = producer.get(t.name)
-        if module is None:
-            return source.load(t.name, dtype=torch.float32).to(torch.float16)
-        qt = results.get(module)
-        if fmt == "dense":
-            return qt.dequantize(torch.float32).to(torch.float16)
-        if module not in results.packed:
-            results.packed[module] = gptq_tensors(qt)
-        return results.packed[module][t.name.rpartition(".")[2]]
-
-    with atomic_output_dir(out, force=force) as tmp:
+    def __init__(self, source: ModelSource, spec: QuantizeSpec, out: Path, fmt: str = "gptq",
+                 provenance: dict[str, Any] | None = None, force: bool = False, max_shard_bytes: int = 5 * 10**9):  # fmt: skip
+        check_spec(spec, fmt)
+        self.source, self.spec, self.fmt = source, spec, fmt
+        self.provenance = provenance or {}
+        self.plan, self.producer = plan_tensors(source, spec, fmt)
+        self.dir = AtomicDir(out, force)
         metadata = {"format": "pt", "producer": f"llmopt {llmopt.__version__}", "source": source.path.name}
-        write_sharded(tmp, plan, produce, max_shard_bytes, metadata)
-        results.finish()
+        self.shards = ShardedWriter(self.dir.tmp, self.plan, max_shard_bytes, metadata)
+        self.held: dict[str, QuantizedTensor] = {}  # results added but not yet written
+        self.packed: dict[str, dict[str, torch.Tensor]] = {}
+        self.unwritten: dict[str, int] = {}  # module -> its tensors still to write
+        for module in self.producer.values():
+            self.unwritten[module] = self.unwritten.get(module, 0) + 1
+        self.path: Path | None = None
+
+    def add(self, block: BlockResult) -> None:
+        """Take one block's results; write every tensor whose turn has come."""
+        self.held.update(block.tensors)
+        self._write_ready()
+
+    def _write_ready(self) -> None:
+        while (t := self.shards.next) is not None:
+            module = self.producer.get(t.name)
+            if module is None:
+                tensor = self.source.load(t.name, dtype=torch.float32).to(torch.float16)
+            elif module not in self.held:
+                return  # its block has not been added yet
+            elif self.fmt == "dense":
+                tensor = self.held[module].dequantize(torch.float32).to(torch.float16)
+            else:
+                if module not in self.packed:
+                    self.packed[module] = gptq_tensors(self.held[module])
+                tensor = self.packed[module][t.name.rpartition(".")[2]]
+            self.shards.put(tensor)
+            if module is not None:
+                self.unwritten[module] -= 1
+                if not self.unwritten[module]:  # every part of it is written
+                    self.held.pop(module)
+                    self.packed.pop(module, None)
+
+    def finish(self) -> Path:
+        """Write what is left (norms, head, config, tokenizer) and move the directory into place."""
+        self._write_ready()
+        if self.shards.next is not None:
+            raise RuntimeError(f"{self.shards.next.name}: the pipeline produced no result for "
+                               f"{self.producer.get(self.shards.next.name)}")  # fmt: skip
+        self.shards.close()
+        tmp, source = self.dir.tmp, self.source
         config = source.arch.to_hf_config("float16")
-        if spec.quantize_head:
+        if self.spec.quantize_head:
             config["tie_word_embeddings"] = False
-        config.update(_special_ids(source))
-        config["llmopt"] = {"version": llmopt.__version__, "quantized_from": source.path.name, **provenance}
-        if fmt == "gptq":
-            qcfg = quantization_config(spec, provenance)
+        tok = source.tokenizer()
+        config.update(tok.special_ids() if tok is not None else {})
+        config["llmopt"] = {"version": llmopt.__version__, "quantized_from": source.path.name, **self.provenance}
+        if self.fmt == "gptq":
+            qcfg = quantization_config(self.spec, self.provenance)
             config["quantization_config"] = qcfg
             (tmp / "quantize_config.json").write_text(json.dumps(qcfg, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _copy_tokenizer(source, tmp)
-    return out.expanduser().resolve()
+        self.path = self.dir.commit()
+        return self.path
 
+    def __enter__(self) -> CheckpointWriter:
+        return self
 
-def _special_ids(source: ModelSource) -> dict[str, int]:
-    tok = source.tokenizer()
-    if tok is None:
-        return {}
-    ids = {f"{k}_token_id": tok.token_id(getattr(tok, f"{k}_token")) for k in ("bos", "eos", "pad")}
-    return {k: v for k, v in ids.items() if v is not None}
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        self.shards._close_file()
+        if self.path is None:  # failed, or left without finish(): nothing under the final name
+            self.dir.discard()
 
 
 def _copy_tokenizer(source: ModelSource, directory: Path) -> None:
@@ -230,4 +240,5 @@ def _copy_tokenizer(source: ModelSource, directory: Path) -> None:
         tok = source.tokenizer()
         if tok is not None:
             tok.save_hf(directory, model_max_length=source.arch.max_position_embeddings)
-        (directory / "generation_config.json").write_text(json.dumps(_special_ids(source), indent=2) + "\n")
+        specials = tok.special_ids() if tok is not None else {}
+        (directory / "generation_config.json").write_text(json.dumps(specials, indent=2) + "\n")

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 import llmopt
-from llmopt.errors import InputError
+from llmopt.errors import OptionError
 from llmopt.formats.atomic import atomic_output_dir
 from llmopt.formats.safetensors_stream import ITEMSIZE, PlannedTensor, write_sharded
 from llmopt.model.source import ModelSource
@@ -32,7 +32,7 @@ def parse_size(text: str) -> int:
     except ValueError:
         value = -1
     if unit not in units or value <= 0:
-        raise InputError(f"bad size {text!r} (examples: 5GB, 500MB, 2GiB)")
+        raise OptionError(f"bad <max_shard_size> {text!r} (examples: 5GB, 500MB, 2GiB)")
     return int(value * units[unit])
 
 
@@ -40,7 +40,7 @@ def write_hf_dir(source: ModelSource, out: Path, dtype: str = "float16", max_sha
                  force: bool = False, on_tensor: Callable[[str, int], None] | None = None) -> Path:
     """Write `source` as a dense HF directory at `out` (atomically). Returns the final path."""
     if dtype not in DTYPES:
-        raise InputError(f"bad --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        raise OptionError(f"bad <dtype> {dtype!r}; choose one of {', '.join(DTYPES)}")
     torch_dtype = DTYPES[dtype]
     arch = source.arch
     tok = source.tokenizer()
@@ -57,10 +57,7 @@ def write_hf_dir(source: ModelSource, out: Path, dtype: str = "float16", max_sha
         metadata = {"format": "pt", "producer": f"llmopt {llmopt.__version__}", "source": source.path.name}
         write_sharded(tmp, plan, produce, max_shard_bytes, metadata, done)
         config = arch.to_hf_config(dtype)
-        specials = {}
-        if tok is not None:
-            specials = {f"{k}_token_id": tok.token_id(getattr(tok, f"{k}_token")) for k in ("bos", "eos", "pad")}
-            specials = {k: v for k, v in specials.items() if v is not None}
+        specials = tok.special_ids() if tok is not None else {}
         config.update(specials)
         config["llmopt"] = {"version": llmopt.__version__, "converted_from": source.path.name}
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -54,9 +54,7 @@ def shard_file_names(count: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
-def write_shard(path: Path, plan: list[PlannedTensor], produce: Callable[[PlannedTensor], torch.Tensor],
-                metadata: dict[str, str] | None = None, on_tensor: Callable[[PlannedTensor], None] | None = None) -> None:
-    """Write one safetensors file; `produce` is called once per tensor, in plan order."""
+def _header(plan: list[PlannedTensor], metadata: dict[str, str] | None) -> bytes:
     header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for t in plan:
@@ -64,16 +62,54 @@ def write_shard(path: Path, plan: list[PlannedTensor], produce: Callable[[Planne
         offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # align the data section to 8 bytes, as the reference writer does
-    with path.open("wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for t in plan:
-            tensor = produce(t)
-            if tuple(tensor.shape) != t.shape or tensor.dtype != t.dtype:
-                raise ValueError(f"{t.name}: produced {tuple(tensor.shape)} {tensor.dtype}, planned {t.shape} {t.dtype}")
-            f.write(_tensor_bytes(tensor))
-            if on_tensor:
-                on_tensor(t)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+class ShardedWriter:
+    """Shards written as tensors arrive, in plan order: `put(tensor)` for each planned tensor, then
+    `close()` (which writes the index when there are several shards)."""
+
+    def __init__(self, directory: Path, tensors: Iterable[PlannedTensor], max_shard_bytes: int,
+                 metadata: dict[str, str] | None = None):  # fmt: skip
+        self.directory = directory
+        self.shards = plan_shards(list(tensors), max_shard_bytes)
+        self.names = shard_file_names(len(self.shards))
+        self.metadata = metadata
+        self.order = [(i, t) for i, shard in enumerate(self.shards) for t in shard]
+        self.done = 0
+        self.file = None
+        self.open_shard = -1
+
+    @property
+    def next(self) -> PlannedTensor | None:
+        """The tensor `put` expects next (None when all are written)."""
+        return self.order[self.done][1] if self.done < len(self.order) else None
+
+    def put(self, tensor: torch.Tensor) -> None:
+        shard, t = self.order[self.done]
+        if tuple(tensor.shape) != t.shape or tensor.dtype != t.dtype:
+            raise ValueError(f"{t.name}: produced {tuple(tensor.shape)} {tensor.dtype}, planned {t.shape} {t.dtype}")
+        if shard != self.open_shard:
+            self._close_file()
+            self.file = (self.directory / self.names[shard]).open("wb")
+            self.file.write(_header(self.shards[shard], self.metadata))
+            self.open_shard = shard
+        self.file.write(_tensor_bytes(tensor))
+        self.done += 1
+
+    def _close_file(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+    def close(self) -> list[str]:
+        """Finish the last shard and the index; returns the shard file names."""
+        self._close_file()
+        if self.done < len(self.order):
+            raise RuntimeError(f"{self.next.name}: never written")  # type: ignore[union-attr]
+        if len(self.shards) > 1:
+            write_index(self.directory, self.shards, self.names)
+        return self.names
 
 
 def write_index(directory: Path, shards: list[list[PlannedTensor]], names: list[str]) -> None:
@@ -93,11 +129,13 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 def write_sharded(directory: Path, tensors: Iterable[PlannedTensor], produce: Callable[[PlannedTensor], torch.Tensor],
                   max_shard_bytes: int, metadata: dict[str, str] | None = None,
                   on_tensor: Callable[[PlannedTensor], None] | None = None) -> list[str]:
-    """Write all shards (and the index when there are several); returns the shard file names."""
-    shards = plan_shards(list(tensors), max_shard_bytes)
-    names = shard_file_names(len(shards))
-    for shard, name in zip(shards, names):
-        write_shard(directory / name, shard, produce, metadata, on_tensor)
-    if len(shards) > 1:
-        write_index(directory, shards, names)
-    return names
+    """Write all shards, asking `produce` for each tensor in order; returns the shard file names."""
+    writer = ShardedWriter(directory, tensors, max_shard_bytes, metadata)
+    try:
+        while (t := writer.next) is not None:
+            writer.put(produce(t))
+            if on_tensor:
+                on_tensor(t)
+    finally:
+        writer._close_file()
+    return writer.close()

@@ -24,10 +24,6 @@ class GPU:
     int8_tops: float  # dense tensor-core peak, 10^12 OP/s
     source: str
 
-    @property
-    def memory_gib(self) -> float:
-        return self.memory_bytes / GIB
-
 
 _GPUS = (
     # NVIDIA A10G (AWS G5): same 24 GB / 600 GB/s as the A10, lower tensor clocks; Baseten's

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from llmopt.calibration.imatrix import Imatrix, chunk_tokens, compute_imatrix, read_imatrix, write_imatrix
+from llmopt.calibration.imatrix import Imatrix, chunk_tokens, compute_imatrix
+from llmopt.formats.imatrix import read_imatrix, write_imatrix
 from llmopt.errors import InputError
 from llmopt.model import open_model
 

@@ -10,13 +10,13 @@ from safetensors import safe_open
 
 from llmopt.calibration.samples import CalibConfig, calibration_tokens
 from llmopt.calibration.text import CalibText
-from llmopt.formats.gptq import gptq_tensors, write_quantized
+from llmopt.formats.gptq import gptq_tensors
 from llmopt.model import open_model
 from llmopt.model.packing import pack_qweight, pack_qzeros, pack_rows, packed_length, unpack_qweight, unpack_qzeros, unpack_rows
 from llmopt.quant.gptq import GPTQConfig
 from llmopt.quant.pipeline import QuantizeSpec, quantize_model
 from llmopt.quant.rtn import RTNConfig
-from tests.factories import CORPUS
+from tests.factories import CORPUS, write_checkpoint
 
 
 def reference_pack(values: list[int], bits: int) -> list[int]:
@@ -91,7 +91,7 @@ def test_checkpoint_reads_back_exactly(tiny_models, tmp_path, bits: int, group_s
     model_dir = tiny_models("qwen2")  # q/k/v biases: they must be written too
     sym = bits != 3
     cfg = GPTQConfig(bits, group_size, sym, act_order=act_order, zero_min=0 if sym else 1)
-    spec = QuantizeSpec("gptq", gptq=cfg)
+    spec = QuantizeSpec(cfg)
     produced = {}
 
     def keep(result):
@@ -99,7 +99,7 @@ def test_checkpoint_reads_back_exactly(tiny_models, tmp_path, bits: int, group_s
 
     with open_model(model_dir) as src:
         tokens = _calib_tokens(src)
-        out = write_quantized(src, spec, quantize_model(src, spec, tokens), tmp_path / "q", on_block=keep)
+        out = write_checkpoint(src, spec, quantize_model(src, spec, tokens), tmp_path / "q", on_block=keep)
     assert len(produced) == 2 * 7
     with open_model(out) as q, open_model(model_dir) as src:
         assert q.kind == "hf-gptq"
@@ -107,11 +107,11 @@ def test_checkpoint_reads_back_exactly(tiny_models, tmp_path, bits: int, group_s
         for module, expected in produced.items():
             assert torch.equal(q.load(f"{module}.weight"), expected), module
         assert torch.equal(q.load("model.layers.0.self_attn.q_proj.bias"), src.load("model.layers.0.self_attn.q_proj.bias").half().float())
-        parts = q.gptq_parts("model.layers.1.mlp.down_proj")
-        assert parts.codes.shape == (64, 128) and int(parts.codes.max()) < 1 << bits
+        qt = q.quantized("model.layers.1.mlp.down_proj")
+        assert qt.codes.shape == (64, 128) and int(qt.codes.max()) < 1 << bits
         if act_order:
-            assert not torch.equal(parts.g_idx, torch.arange(128) // group_size)  # groups follow activation order
-        assert parts.scales.shape == (-(-128 // group_size), 64)
+            assert not torch.equal(qt.g_idx, torch.arange(128) // group_size)  # groups follow activation order
+        assert qt.scales.shape == (64, -(-128 // group_size))
     config = json.loads((out / "config.json").read_text())
     qc = config["quantization_config"]
     assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["desc_act"], qc["sym"]) == ("gptq", bits, group_size, act_order, sym)
@@ -129,10 +129,10 @@ def test_checkpoint_reads_back_exactly(tiny_models, tmp_path, bits: int, group_s
 
 def test_per_tensor_rtn_and_dense_format(tiny_models, tmp_path) -> None:
     model_dir = tiny_models("llama", tie=True)
-    spec = QuantizeSpec("rtn", rtn=RTNConfig(8, 0, False, zero_min=1), quantize_head=True)
+    spec = QuantizeSpec(RTNConfig(8, 0, False, zero_min=1), quantize_head=True)
     with open_model(model_dir) as src:
-        out = write_quantized(src, spec, quantize_model(src, spec), tmp_path / "g")
-        dense = write_quantized(src, spec, quantize_model(src, spec), tmp_path / "d", fmt="dense")
+        out = write_checkpoint(src, spec, quantize_model(src, spec), tmp_path / "g")
+        dense = write_checkpoint(src, spec, quantize_model(src, spec), tmp_path / "d", fmt="dense")
     with open_model(out) as g, open_model(dense) as d:
         assert d.kind == "hf" and "lm_head.weight" in d.tensors and "lm_head.weight" in g.tensors
         for name in d.tensors:
@@ -142,7 +142,7 @@ def test_per_tensor_rtn_and_dense_format(tiny_models, tmp_path) -> None:
 
 
 def test_zero_point_zero_is_refused() -> None:
-    from llmopt.quant.tensor import QuantizedTensor
+    from llmopt.quantized_tensor import QuantizedTensor
 
     qt = QuantizedTensor(torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 1), 4, -1, zeros=torch.zeros(4, 1, dtype=torch.int32))
     with pytest.raises(ValueError, match="zero point of 0"):

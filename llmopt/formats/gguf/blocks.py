@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from llmopt.errors import InputError
-from llmopt.quant.tensor import QuantizedTensor
+from llmopt.quantized_tensor import QuantizedTensor
 
 
 def _half_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ regex overrides, and the tensors that are never quantized (1-D, norms). The `rec
 
 llama.cpp counts attn_v and ffn_down tensors with running counters in its (layer, name) tensor
 order; for a dense model the counter equals the layer index. A tensor matched by a `--tensor-type`
-override skips the rules and so does not advance the counter: `plan_types` reproduces that.
+override skips the rules and so does not advance the counter: `plan_shapes` reproduces that.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from gguf.constants import LlamaFileType
 
-from llmopt.errors import InputError
+from llmopt.errors import InputError, OptionError
 from llmopt.formats.gguf.types import block_geometry, ggml_type, is_quantized
 from llmopt.model.arch import ArchSpec
 
@@ -162,7 +162,7 @@ def _compile_overrides(overrides: Sequence[tuple[str, str]]) -> list[tuple[re.Pa
         try:
             compiled.append((re.compile(pattern), ggml_type(type_name).name))
         except re.error as e:
-            raise InputError(f"bad --tensor-type regex {pattern!r}: {e}") from None
+            raise OptionError(f"bad <tensor_types> regex {pattern!r}: {e}") from None
     return compiled
 
 
@@ -181,7 +181,7 @@ def tensor_type(
     """The GGML type llama-quantize gives tensor `gguf_name` (HF-orientation `shape`) under `mix`.
 
     `overrides` are `--tensor-type` (regex, type) pairs, first match wins; `counter` is the tensor's
-    position among its kind (attn_v / ffn_down) when it differs from its layer index (see plan_types);
+    position among its kind (attn_v / ffn_down) when it differs from its layer index (see plan_shapes);
     `tied_embeddings` defaults to the architecture's.
     """
     mix = check_mix(mix)
@@ -255,16 +255,3 @@ def gguf_shapes(source) -> dict[str, tuple[int, ...]]:  # noqa: ANN001 - ModelSo
             continue
         shapes[gguf_name] = tuple(info.shape)
     return shapes
-
-
-def plan_types(
-    source,  # noqa: ANN001 - ModelSource
-    mix: str,
-    *,
-    overrides: Sequence[tuple[str, str]] = (),
-    has_imatrix: bool = False,
-    output_tensor_type: str | None = None,
-) -> dict[str, str]:
-    """GGUF tensor name -> GGML type for a GGUF of `source` under `mix`, as llama-quantize assigns."""
-    return plan_shapes(gguf_shapes(source), mix, source.arch, overrides=overrides, has_imatrix=has_imatrix,
-                       output_tensor_type=output_tensor_type)  # fmt: skip

@@ -4,12 +4,15 @@ The header (metadata and tensor infos) is written first from the plan, since eve
 known from its type; then each tensor is read from the source, permuted where llama.cpp wants it,
 quantized on its grid, packed into llama.cpp's blocks and appended. Only one tensor is in memory at
 a time, and the file appears under its name only when complete.
+
+`GGUFWriter` is also a sink for the quantization pipeline: tensors whose codes a method computed
+(GPTQ onto a GGUF grid) are handed in block by block (`add`) and packed as they are, without
+re-rounding; the rest still come from the source. `write_gguf` is the plain conversion.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import struct
 import tempfile
 import time
@@ -24,16 +27,19 @@ import torch
 
 import llmopt
 from llmopt.errors import InputError
-from llmopt.formats.atomic import atomic_output_file
+from llmopt.formats.atomic import AtomicFile
 from llmopt.formats.gguf.blocks import pack
 from llmopt.formats.gguf.mixes import check_mix, file_type, gguf_shapes, plan_shapes
 from llmopt.formats.gguf.types import ggml_type, tensor_nbytes
 from llmopt.formats.gguf.vocab import vocab_metadata
 from llmopt.model.arch import ArchSpec
 from llmopt.model.families.base import permute_for_gguf
+from llmopt.model.rope import llama3_factors
 from llmopt.model.source import ModelSource
-from llmopt.quant.grids import quantize
+from llmopt.quant.grids import GRIDS, Grid, quantize
 from llmopt.quant.grids.layout import single_threaded_ops
+from llmopt.quant.pipeline import BlockResult
+from llmopt.quantized_tensor import QuantizedTensor
 
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION: the block layouts written here
 
@@ -114,13 +120,96 @@ def plan_gguf(
         PlannedTensor(name, by_gguf[name], shapes[name], types[name], source.tensors[by_gguf[name]].nbytes)
         for name in shapes
     ]
-    freqs = llama3_rope_factors(source.arch)
+    freqs = llama3_factors(source.arch)
     if freqs is not None:
         tensors.insert(1, PlannedTensor("rope_freqs.weight", None, tuple(freqs.shape), "F32", 0))
     plan = GgufPlan(mix=mix, tensors=tensors, metadata=gguf_metadata(source, mix, provenance or Provenance()))
     plan.header = _render_header(source, plan)
     plan.header_nbytes, plan.header_key = len(plan.header), plan.key()
     return plan
+
+
+class GGUFWriter:
+    """A GGUF file written tensor by tensor in plan order, atomically.
+
+    Every tensor comes from the source, quantized on its planned grid, unless it is one of
+    `computed` (HF module names): those wait for the pipeline's result, handed in with `add`, and
+    are packed from the codes it holds. `finish()` writes what is left and moves the file into place.
+    """
+
+    def __init__(self, source: ModelSource, output: Path, plan: GgufPlan, *,
+                 importance: Mapping[str, torch.Tensor] | None = None, computed: Sequence[str] = (),
+                 force: bool = True, on_tensor: Callable[[PlannedTensor, float], None] | None = None):  # fmt: skip
+        self.source, self.plan, self.importance, self.on_tensor = source, plan, importance, on_tensor
+        self.computed = set(computed)
+        self.held: dict[str, QuantizedTensor] = {}
+        self.next = 0
+        self.out = AtomicFile(Path(output), force)
+        self.file = open(self.out.tmp, "wb")
+        self.path: Path | None = None
+        header = plan.header if plan.header and plan.header_key == plan.key() else _render_header(source, plan)
+        self.file.write(header)  # then each tensor at the next multiple of the alignment, as GGUFWriter does
+
+    def add(self, block: BlockResult) -> None:
+        """Take one block's results; write every tensor whose turn has come."""
+        self.held.update(block.tensors)
+        self._write_ready()
+
+    def _write_ready(self) -> None:
+        f = self.file
+        while self.next < len(self.plan.tensors):
+            planned = self.plan.tensors[self.next]
+            module = planned.hf_name.removesuffix(".weight") if planned.hf_name else None
+            if module in self.computed and module not in self.held:
+                return  # its block has not been added yet
+            start = time.perf_counter()
+            if module in self.computed:
+                data = encode_computed(self.source, planned, self.held.pop(module))
+            else:
+                importance = None if self.importance is None else self.importance.get(planned.gguf_name)
+                with single_threaded_ops():  # small ops: threads inside each op cost more than they gain
+                    data = encode_tensor(self.source, planned, importance)
+            if data.nbytes != planned.nbytes:
+                raise InputError(f"{planned.gguf_name}: encoded {data.nbytes} bytes, planned {planned.nbytes}")
+            f.write(bytes(_pad(f.tell(), self.plan.alignment) - f.tell()))
+            data.tofile(f)
+            del data
+            self.next += 1
+            if self.on_tensor is not None:
+                self.on_tensor(planned, time.perf_counter() - start)
+
+    def finish(self) -> Path:
+        self._write_ready()
+        if self.next < len(self.plan.tensors):
+            raise RuntimeError(f"{self.plan.tensors[self.next].gguf_name}: the pipeline produced no result for it")
+        self.file.write(bytes(_pad(self.file.tell(), self.plan.alignment) - self.file.tell()))
+        self.file.close()
+        self.path = self.out.commit()
+        return self.path
+
+    def __enter__(self) -> GGUFWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.path is None:  # failed, or left without finish(): nothing under the final name
+            self.file.close()
+            self.out.discard()
+
+
+def grids_for(plan: GgufPlan) -> Callable[[str], Grid]:
+    """The grid each module's codes must land on for `plan`: what a method that rounds by itself
+    (GPTQ onto a GGUF grid) is given as `QuantizeSpec.grids`, so the file gets the plan's types."""
+    types = {t.hf_name.removesuffix(".weight"): t.type_name for t in plan.tensors if t.hf_name}
+
+    def grid(module: str) -> Grid:
+        type_name = types.get(module)
+        if type_name is None:
+            raise InputError(f"{module}: not in the GGUF plan")
+        if type_name not in GRIDS:
+            raise InputError(f"{module} is planned as {type_name}, which no method rounds onto")
+        return GRIDS[type_name]
+
+    return grid
 
 
 def write_gguf(
@@ -133,29 +222,14 @@ def write_gguf(
     on_tensor: Callable[[PlannedTensor, float], None] | None = None,
 ) -> Path:
     """Write `plan` for `source` to `output` (atomically), quantizing with `importance` where given."""
-    output = Path(output)
-    header = plan.header if plan.header and plan.header_key == plan.key() else _render_header(source, plan)
-    with atomic_output_file(output, force=force) as tmp, open(tmp, "wb") as f:
-        f.write(header)  # then each tensor at the next multiple of the alignment, as GGUFWriter does
-        with single_threaded_ops():  # small ops: threads inside each op cost more than they gain
-            for planned in plan.tensors:
-                start = time.perf_counter()
-                data = encode_tensor(source, planned, None if importance is None else importance.get(planned.gguf_name))
-                if data.nbytes != planned.nbytes:
-                    raise InputError(f"{planned.gguf_name}: encoded {data.nbytes} bytes, planned {planned.nbytes}")
-                f.write(bytes(_pad(f.tell(), plan.alignment) - f.tell()))
-                data.tofile(f)
-                del data
-                if on_tensor is not None:
-                    on_tensor(planned, time.perf_counter() - start)
-        f.write(bytes(_pad(f.tell(), plan.alignment) - f.tell()))
-    return output.expanduser().resolve()
+    with GGUFWriter(source, output, plan, importance=importance, force=force, on_tensor=on_tensor) as writer:
+        return writer.finish()
 
 
 def encode_tensor(source: ModelSource, planned: PlannedTensor, importance: torch.Tensor | None = None) -> np.ndarray:
     """One tensor's bytes in its planned type: loaded, permuted for llama.cpp, quantized and packed."""
     if planned.hf_name is None:
-        return llama3_rope_factors(source.arch).numpy()
+        return llama3_factors(source.arch).numpy()
     raw = source.load(planned.hf_name, None)
     try:
         return _encode(source, planned, raw.to(torch.float32) if raw.is_floating_point() else raw, importance)
@@ -180,6 +254,20 @@ def _encode(source: ModelSource, planned: PlannedTensor, weight: torch.Tensor,
         raise InputError(f"imatrix entry for {planned.gguf_name} has {importance.numel()} values, "
                          f"the tensor has {weight.shape[-1]} columns")  # fmt: skip
     return pack(quantize(kind, weight.reshape(-1, weight.shape[-1]), importance))
+
+
+def encode_computed(source: ModelSource, planned: PlannedTensor, qt: QuantizedTensor) -> np.ndarray:
+    """The bytes of a tensor whose codes a method computed: checked against the plan, rows permuted
+    for llama.cpp, packed as they are."""
+    if qt.grid != planned.type_name:
+        raise InputError(f"{planned.gguf_name}: quantized onto {qt.grid}, but the plan says {planned.type_name}")
+    if qt.shape != tuple(planned.shape):
+        raise InputError(f"{planned.gguf_name}: quantized shape {qt.shape}, planned {tuple(planned.shape)}")
+    arch = source.arch
+    heads = arch.family.qk_heads(planned.hf_name or "", arch.num_heads, arch.num_kv_heads)
+    if heads is not None:
+        qt = qt.take_rows(permute_for_gguf(torch.arange(qt.shape[0]), heads))
+    return pack(qt)
 
 
 # ------------------------------------------------------------------------------------------ metadata
@@ -318,26 +406,3 @@ def _render_header(source: ModelSource, plan: GgufPlan) -> bytes:
         writer.write_ti_data_to_file()
         writer.close()
         return path.read_bytes()
-
-
-def llama3_rope_factors(arch: ArchSpec) -> torch.Tensor | None:
-    """llama.cpp's `rope_freqs` for llama3-style rope scaling (convert_hf_to_gguf computes the same)."""
-    scaling = arch.rope_scaling or {}
-    if (scaling.get("rope_type") or scaling.get("type")) != "llama3":
-        return None
-    factor = float(scaling.get("factor", 8.0))
-    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
-    old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
-    freqs = 1.0 / (arch.rope_theta ** (torch.arange(0, arch.head_dim, 2, dtype=torch.float32) / arch.head_dim))
-    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-    factors = []
-    for f in freqs.tolist():
-        wavelen = 2 * math.pi / f
-        if wavelen < high_wavelen:
-            factors.append(1.0)
-        elif wavelen > low_wavelen:
-            factors.append(factor)
-        else:
-            smooth = (old_ctx / wavelen - low) / (high - low)
-            factors.append(1 / ((1 - smooth) / factor + smooth))
-    return torch.tensor(factors, dtype=torch.float32)

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.errors import InputError
+from llmopt.errors import OptionError
 
 DEVICES = ("auto", "cpu", "cuda")
 
 
 def resolve_device(name: str = "auto") -> torch.device:
     if name not in DEVICES and not name.startswith("cuda:"):
-        raise InputError(f"bad --device {name!r}; choose one of {', '.join(DEVICES)}")
+        raise OptionError(f"bad <device> {name!r}; choose one of {', '.join(DEVICES)}")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise InputError("--device cuda: no CUDA device is available to torch on this machine")
+        raise OptionError("<device> cuda: no CUDA device is available to torch on this machine")
     return torch.device(name)
 
 
@@ -43,7 +43,7 @@ def native_bf16(device: torch.device) -> bool:
 def resolve_calib_dtype(name: str, device: torch.device) -> torch.dtype:
     """`--calib-dtype`: the calibration forward's dtype; auto = bfloat16 where it is native, else float32."""
     if name not in CALIB_DTYPES:
-        raise InputError(f"bad --calib-dtype {name!r}; choose one of {', '.join(CALIB_DTYPES)}")
+        raise OptionError(f"bad <calib_dtype> {name!r}; choose one of {', '.join(CALIB_DTYPES)}")
     if name == "auto":
         return torch.bfloat16 if native_bf16(device) else torch.float32
     return getattr(torch, name)

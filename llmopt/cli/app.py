@@ -18,9 +18,10 @@ from llmopt.cli import eval as eval_cmd, generate
 from llmopt.cli import quantize
 from llmopt.cli import recommend
 from llmopt.cli.common import DeviceOpt, JsonOpt, Settings, VerboseOpt, err
+from llmopt.cli.flags import flag
 from rich.markup import escape
 
-from llmopt.errors import LlmoptError
+from llmopt.errors import LlmoptError, OptionError
 
 app = typer.Typer(
     name="llmopt",
@@ -72,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         err.print(f"[bold red]error:[/] {escape(e.format_message() + hint)}", markup=True, soft_wrap=True)
         return 2
     except LlmoptError as e:
-        err.print(f"[bold red]error:[/] {escape(str(e))}", markup=True, soft_wrap=True)
+        message = e.render(flag) if isinstance(e, OptionError) else str(e)
+        err.print(f"[bold red]error:[/] {escape(message)}", markup=True, soft_wrap=True)
         return e.exit_code
     except KeyboardInterrupt:
         err.print("interrupted")

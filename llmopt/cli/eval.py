@@ -9,12 +9,11 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from llmopt.api.evaluate import evaluate
 from llmopt.cli.common import DeviceOpt, JsonOpt, VerboseOpt, emit_json, err, out, settings
 from llmopt.cli.generate import DTypeOpt, PackedOpt, ThreadsOpt
-from llmopt.errors import CheckFailed, InputError
-from llmopt.eval.gates import check_gates
-from llmopt.eval.perplexity import evaluate, token_windows
-from llmopt.runtime.weights import load_model, set_threads
+from llmopt.errors import CheckFailed
+from llmopt.runtime.weights import set_threads
 
 
 def eval_command(
@@ -36,38 +35,17 @@ def eval_command(
     """Perplexity over non-overlapping windows; with --ref, KL divergence and top-1 agreement too."""
     opts = settings(ctx, json_out, device, verbose)
     set_threads(threads)
-    if (max_ppl_increase is not None or min_top1 is not None) and ref is None:
-        raise InputError("--max-ppl-increase and --min-top1 compare against a reference: give --ref MODEL")
-    try:
-        text = data.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"{data}: cannot read ({e.__class__.__name__})") from None
-
-    target = load_model(model, dtype, opts.device, packed)
-    if target.tokenizer is None:
-        raise InputError(f"{model}: has no tokenizer, so it cannot read text")
-    ids = target.tokenizer.encode(text)
-    chunks = token_windows(ids, ctx_len, windows)
-    reference = None
-    if ref is not None:
-        reference = load_model(ref, dtype, opts.device, packed)
-        sample = text[:20000]  # both tokenizers on the same text (a cut prefix ends differently from the whole)
-        if reference.model.arch.vocab_size != target.model.arch.vocab_size or (
-                reference.tokenizer is not None and reference.tokenizer.encode(sample) != target.tokenizer.encode(sample)):
-            raise InputError(f"--ref {ref}: its tokenizer differs from the model's; KL and top-1 need the same vocabulary")
-
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   console=err, transient=True) as progress:
-        task = progress.add_task(f"eval {Path(model).name}", total=chunks.shape[0])
-        result = evaluate(target.model, chunks, reference.model if reference else None,
-                          on_window=lambda i: progress.update(task, completed=i + 1))
-    gates = check_gates(result, max_ppl_increase, min_top1)
+        task = progress.add_task(f"eval {Path(model).name}", total=None)
+        result, gates, summary = evaluate(model, data, ref=ref, ctx=ctx_len, windows=windows,
+                                          max_ppl_increase=max_ppl_increase, min_top1=min_top1, dtype=dtype,
+                                          device=opts.device, packed=packed,
+                                          on_window=lambda done, total: progress.update(task, completed=done, total=total))
     failed = [g for g in gates if not g.passed]
 
     if opts.json:
-        emit_json({"model": target.path, "ref": reference.path if reference else None, "data": str(data),
-                   "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
-                   **result.to_dict(), "gates": [g.__dict__ for g in gates], "passed": not failed})
+        emit_json(summary)
     else:
         table = Table(show_header=False, box=None)
         table.add_row("windows x ctx", f"{result.windows} x {result.ctx} ({result.tokens_scored} tokens scored)")

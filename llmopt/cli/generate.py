@@ -8,13 +8,10 @@ from typing import Annotated, Optional
 
 import typer
 
+from llmopt.api.generate import check_options, generate, load
 from llmopt.cli.common import DeviceOpt, JsonOpt, VerboseOpt, emit_json, err, out, settings
-from llmopt.errors import InputError
-from llmopt.runtime.chat import apply_chat_template
-from llmopt.runtime.generate import Generator
-from llmopt.runtime.sampling import SamplingConfig
-from llmopt.runtime.speculative import DraftModel, PromptLookup
-from llmopt.runtime.weights import load_model, set_threads
+from llmopt.errors import InputError, OptionError
+from llmopt.runtime.weights import set_threads
 
 
 # Options shared with `llmopt eval`.
@@ -26,7 +23,7 @@ PackedOpt = Annotated[bool, typer.Option("--packed-int4/--dequantize", help="GPT
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     if (prompt is None) == (prompt_file is None):
-        raise InputError("give exactly one of --prompt TEXT or --prompt-file FILE")
+        raise OptionError("give exactly one of <prompt> TEXT or <prompt_file> FILE")
     if prompt_file is None:
         return prompt or ""
     if str(prompt_file) == "-":
@@ -70,35 +67,16 @@ def generate_command(
     opts = settings(ctx, json_out, device, verbose)
     set_threads(threads)
     text = read_prompt(prompt, prompt_file)
-    if draft and prompt_lookup:
-        raise InputError("choose one of --draft and --prompt-lookup")
-    if prompt_lookup < 0 or num_draft < 1 or prefill_chunk < 1:
-        raise InputError("--prompt-lookup must be >= 0, --num-draft and --prefill-chunk >= 1")
-    if system and not chat:
-        raise InputError("--system needs --chat")
-    sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty)
-    sampling.check()
-
-    target = load_model(model, dtype, opts.device, packed)
-    tok = target.tokenizer
-    if tok is None:
-        raise InputError(f"{model}: has no tokenizer, so it cannot take a text prompt")
-    if chat:
-        ids = tok.tokenizer.encode(apply_chat_template(tok, text, system), add_special_tokens=False).ids
-    else:
-        ids = tok.encode(text)
-    drafter = None
-    if draft:
-        d = load_model(draft, dtype, opts.device, packed)
-        if d.model.arch.vocab_size != target.model.arch.vocab_size or (d.tokenizer and d.tokenizer.encode(text) != tok.encode(text)):
-            raise InputError(f"--draft {draft}: its tokenizer differs from the model's; a draft must share the vocabulary")
-        drafter = DraftModel(d.model, len(ids) + max_tokens + num_draft + 1, d.dtype, d.device)
-    elif prompt_lookup:
-        drafter = PromptLookup(prompt_lookup)
-
-    gen = Generator(target.model, tok, drafter, num_draft, prefill_chunk, compile=compile_step)
+    check_options(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                  chat=chat, system=system, draft=draft, num_draft=num_draft, prompt_lookup=prompt_lookup,
+                  prefill_chunk=prefill_chunk, max_tokens=max_tokens)  # fmt: skip
+    target = load(model, dtype=dtype, device=opts.device, packed=packed)
     on_text = None if opts.json else (lambda piece: out.print(piece, end="", markup=False, highlight=False, soft_wrap=True))
-    result = gen.generate(ids, max_tokens, sampling, stop or [], seed, ignore_eos, on_text)
+    result = generate(target, text, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                      min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop or [],
+                      ignore_eos=ignore_eos, chat=chat, system=system, draft=draft, num_draft=num_draft,
+                      prompt_lookup=prompt_lookup, prefill_chunk=prefill_chunk, compile=compile_step, dtype=dtype,
+                      device=opts.device, packed=packed, on_text=on_text)  # fmt: skip
     if opts.json:
         emit_json({"text": result.text, "tokens": result.token_ids, "metrics": result.metrics.to_dict(),
                    "model": target.path, "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch.")})

@@ -7,9 +7,8 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from llmopt.api.inspect import inspect
 from llmopt.cli.common import DeviceOpt, JsonOpt, VerboseOpt, emit_json, human_bytes, human_count, out, settings
-from llmopt.model import open_model
-from llmopt.model.summary import summarize
 
 
 def inspect_command(
@@ -22,8 +21,7 @@ def inspect_command(
 ) -> None:
     """Summarize a model: architecture, parameters, tensor types, bits per weight, tokenizer, metadata."""
     opts = settings(ctx, json_out, device, verbose)
-    with open_model(model) as source:
-        info = summarize(source, with_tensors=tensors)
+    info = inspect(model, tensors=tensors)
     if opts.json:
         emit_json(info)
         return

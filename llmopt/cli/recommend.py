@@ -2,29 +2,16 @@
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from llmopt.api.recommend import recommend
 from llmopt.cli.common import JsonOpt, VerboseOpt, emit_json, out, settings
-from llmopt.errors import InputError
-from llmopt.plan.gpus import GIB, get_gpu
-from llmopt.plan.kv_cache import check_kv_dtype
-from llmopt.plan.models import PlanModel, from_params, parse_params, resolve_model
-from llmopt.plan.recommend import USE_CASES, Budget, Row, Workload, recommend_for_model, recommend_over_presets, tp_allowed
-
-_MEM = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(gib|gb|g)?\s*$", re.IGNORECASE)
-
-
-def parse_mem(text: str) -> int:
-    """"48", "48GB", "48GiB" -> bytes. GPU memory is sold in GiB ("24 GB" cards hold 24 GiB)."""
-    m = _MEM.match(text)
-    if not m or float(m.group(1)) <= 0:
-        raise InputError(f"bad --mem {text!r}: give a positive memory size in GiB, such as 24 or 80GB")
-    return int(float(m.group(1)) * GIB)
+from llmopt.plan.gpus import GIB
+from llmopt.plan.recommend import Row
 
 
 def recommend_command(
@@ -44,61 +31,13 @@ def recommend_command(
 ) -> None:
     """Which quantization of which model fits in memory, with exact sizes and speed upper bounds."""
     opts = settings(ctx, json_out, None, verbose)
-    gpu_spec = get_gpu(gpu) if gpu else None
-    if mem is None and gpu_spec is None:
-        raise InputError("give --mem (GiB per device) or --gpu (its memory is used)")
-    memory = parse_mem(mem) if mem is not None else gpu_spec.memory_bytes
-    if bandwidth is not None and not bandwidth > 0:
-        raise InputError(f"bad --bandwidth {bandwidth}: give a positive GB/s figure")
-    for name, value in (("--context", context), ("--batch", batch), ("--tp", tp)):
-        if value < 1:
-            raise InputError(f"bad {name} {value}: must be at least 1")
-    use_cases = USE_CASES
-    if use_case is not None:
-        if use_case.lower() not in USE_CASES:
-            raise InputError(f"unknown --use-case {use_case!r}; choose one of: {', '.join(USE_CASES)}")
-        use_cases = (use_case.lower(),)
-    if model and params:
-        raise InputError("give --model or --params, not both")
-    workload = Workload(context=context, batch=batch, kv_dtype=check_kv_dtype(kv_dtype), tp=tp)
-    budget = Budget(memory, gpu_spec, bandwidth)
-
-    plan_model = resolve_model(model) if model else from_params(parse_params(params)) if params else None
-    if plan_model is not None:
-        if not tp_allowed(plan_model, tp):
-            raise InputError(f"--tp {tp} does not divide {plan_model.name}'s {plan_model.arch.num_heads} heads "
-                             f"/ {plan_model.arch.num_kv_heads} KV heads")
-        result = recommend_for_model(plan_model, workload, budget, use_cases)
-    else:
-        result = recommend_over_presets(workload, budget, use_cases)
-    data = _to_json(result, workload, budget, plan_model)
+    data = recommend(mem=mem, model=model, params=params, context=context, batch=batch, kv_dtype=kv_dtype, gpu=gpu,
+                     bandwidth=bandwidth, tp=tp, use_case=use_case)
+    rows = data.pop("rows")
     if opts.json:
         emit_json(data)
         return
-    _render(data, result["candidates"])
-
-
-def _to_json(result: dict[str, Any], workload: Workload, budget: Budget, model: PlanModel | None) -> dict[str, Any]:
-    notes = ["decode tokens/s and prefill seconds are rooflines (bandwidth and compute upper bounds), not predictions",
-             "memory is per device: weights (split over --tp devices) + KV cache + activations + logits + device context"]
-    if model is not None and workload.context > model.arch.max_position_embeddings:
-        notes.append(f"--context {workload.context} exceeds {model.name}'s trained context of "
-                     f"{model.arch.max_position_embeddings} tokens")
-    if budget.device(1) is None:
-        notes.append("no --gpu or --bandwidth: speed columns are empty")
-    return {
-        "mode": result["mode"],
-        "budget": {"memory_bytes_per_device": budget.memory_bytes, "memory_gib_per_device": round(budget.memory_bytes / GIB, 3),
-                   "gpu": budget.gpu.name if budget.gpu else None,
-                   "bandwidth_gbs_per_device": budget.bandwidth_gbs or (budget.gpu.bandwidth_gbs if budget.gpu else None),
-                   "devices": workload.tp},
-        "workload": {"context": workload.context, "batch": workload.batch, "kv_dtype": workload.kv_dtype},
-        "models": result["models"],
-        "candidates": [r.to_dict() for r in result["candidates"]],
-        "recommendations": result["recommendations"],
-        "nearest": result["nearest"],
-        "notes": notes,
-    }  # fmt: skip
+    _render(data, rows)
 
 
 def _gib(n: int | float) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmopt.errors import InputError
+from llmopt.errors import OptionError
 from llmopt.eval.perplexity import EvalResult
 
 
@@ -25,7 +25,7 @@ def check_gates(result: EvalResult, max_ppl_increase: float | None = None, min_t
     top-1 agreement with the reference must be at least `min_top1` %."""
     gates = []
     if (max_ppl_increase is not None or min_top1 is not None) and result.ref_perplexity is None:
-        raise InputError("--max-ppl-increase and --min-top1 compare against a reference: give --ref MODEL")
+        raise OptionError("<max_ppl_increase> and <min_top1> compare against a reference: give <ref> MODEL")
     if max_ppl_increase is not None:
         rise = result.ppl_increase_pct
         gates.append(Gate("ppl_increase_pct", rise, max_ppl_increase, rise <= max_ppl_increase))

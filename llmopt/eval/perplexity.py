@@ -15,17 +15,17 @@ from typing import Callable
 
 import torch
 
-from llmopt.errors import InputError
+from llmopt.errors import InputError, OptionError
 from llmopt.model.decoder import Decoder
 
 
 def token_windows(ids: list[int], ctx: int, windows: int) -> torch.Tensor:
     """The first `windows` non-overlapping windows of `ctx` tokens ([windows, ctx]); 0 = all."""
     if ctx < 2:
-        raise InputError(f"--ctx must be at least 2, got {ctx}")
+        raise OptionError(f"<ctx> must be at least 2, got {ctx}")
     available = len(ids) // ctx
     if windows < 0:
-        raise InputError(f"--windows must be >= 0, got {windows}")
+        raise OptionError(f"<windows> must be >= 0, got {windows}")
     windows = windows or available
     if available < windows or available == 0:
         raise InputError(f"the text has {len(ids)} tokens: {available} window(s) of {ctx}, fewer than the {windows} asked for")

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from llmopt.errors import InputError
+from llmopt.errors import InputError, OptionError
 from llmopt.model.arch import ArchSpec
 from llmopt.plan.arch_tensors import ROPE, PlannedTensor, active_parameter_count, arch_tensors, num_experts, parameter_count
 from llmopt.plan.gguf_file import DEFAULT_ALIGNMENT, estimated_metadata_bytes, measured_metadata_bytes, tensor_directory
@@ -59,7 +59,7 @@ def parse_params(text: str) -> int:
     """"13B", "1.7b", "135M", "7000000000" -> a parameter count."""
     m = _PARAMS.match(text)
     if not m or float(m.group(1)) <= 0:
-        raise InputError(f"bad --params {text!r}; give a count such as 135M, 7B or 1.5T")
+        raise OptionError(f"bad <params> {text!r}; give a count such as 135M, 7B or 1.5T")
     return int(float(m.group(1)) * _SCALE[m.group(2).lower()])
 
 

@@ -11,7 +11,7 @@ from datetime import date
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from llmopt.errors import InputError
+from llmopt.errors import OptionError
 from llmopt.model.tokenizer import TokenizerInfo
 
 
@@ -22,7 +22,7 @@ def _raise(message: str) -> None:
 def apply_chat_template(tok: TokenizerInfo, prompt: str, system: str | None = None) -> str:
     """The prompt text for one user turn (and an optional system turn), ready for the assistant."""
     if not tok.chat_template:
-        raise InputError("--chat: this model has no chat template (none in tokenizer_config.json or GGUF metadata)")
+        raise OptionError("<chat>: this model has no chat template (none in tokenizer_config.json or GGUF metadata)")
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise
@@ -31,4 +31,4 @@ def apply_chat_template(tok: TokenizerInfo, prompt: str, system: str | None = No
         return env.from_string(tok.chat_template).render(
             messages=messages, add_generation_prompt=True, bos_token=tok.bos_token or "", eos_token=tok.eos_token or "")
     except TemplateError as e:
-        raise InputError(f"--chat: the model's chat template failed: {e}") from None
+        raise OptionError(f"<chat>: the model's chat template failed: {e}") from None

@@ -25,18 +25,18 @@ class SamplingConfig:
         return self.temperature <= 0.0
 
     def check(self) -> None:
-        from llmopt.errors import InputError
+        from llmopt.errors import OptionError
 
         if self.temperature < 0:
-            raise InputError(f"--temperature must be >= 0, got {self.temperature}")
+            raise OptionError(f"<temperature> must be >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise InputError(f"--top-k must be >= 0, got {self.top_k}")
+            raise OptionError(f"<top_k> must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
-            raise InputError(f"--top-p must be in (0, 1], got {self.top_p}")
+            raise OptionError(f"<top_p> must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p < 1.0:
-            raise InputError(f"--min-p must be in [0, 1), got {self.min_p}")
+            raise OptionError(f"<min_p> must be in [0, 1), got {self.min_p}")
         if self.repetition_penalty <= 0:
-            raise InputError(f"--repetition-penalty must be > 0, got {self.repetition_penalty}")
+            raise OptionError(f"<repetition_penalty> must be > 0, got {self.repetition_penalty}")
 
 
 def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: float) -> torch.Tensor:

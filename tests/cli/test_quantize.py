@@ -113,10 +113,8 @@ def test_existing_output_is_refused_before_work(llmopt_here, tiny_models, tmp_pa
     ({"group_aware": False}, False),
 ])
 def test_group_aware_order_is_the_default_with_groups(kwargs, expect) -> None:
-    from llmopt.cli.quantize import build_spec
+    from llmopt.quant.gptq import GPTQConfig
+    from llmopt.quant.spec import build_spec
 
-    args = dict(method="gptq", bits=4, group_size=128, sym=True, act_order=False, static_groups=False, damp=0.01,
-                mse=False, fmt="gptq", quantize_head=False, group_aware=None)
-    args.update(kwargs)
-    spec = build_spec(**args)
-    assert spec.gptq is not None and spec.gptq.group_aware is expect
+    spec = build_spec("gptq", **kwargs)
+    assert isinstance(spec.method, GPTQConfig) and spec.method.group_aware is expect

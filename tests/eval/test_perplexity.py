@@ -68,5 +68,5 @@ def test_gates(tiny_models):
     assert [g.passed for g in check_gates(result, max_ppl_increase=rise + 0.1)] == [True]
     assert [g.passed for g in check_gates(result, max_ppl_increase=rise - 0.1)] == [False]
     no_ref = evaluate(model, token_windows(tok.encode(CORPUS), 32, 1))
-    with pytest.raises(InputError, match="--ref"):
+    with pytest.raises(InputError, match="`ref`"):
         check_gates(no_ref, min_top1=50)

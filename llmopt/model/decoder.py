@@ -95,6 +95,7 @@ class Attention(nn.Module):
             k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
             v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1)
+        del q, k, v  # not held while o_proj runs (the quantization pipeline pauses there, every chunk at once)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -146,9 +147,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
             gate, up = self.gate_up(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(F.silu(gate) * up)
+        # one expression: gate and up are freed before down_proj runs (the pipeline pauses there)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderBlock(nn.Module):

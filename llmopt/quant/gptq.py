@@ -181,22 +181,19 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, 
         w = w + cfg.fp_target * (w @ torch.linalg.solve(damped(h, cfg.damp), c.t()).t())  # W + α W C H⁻¹ (H symmetric)
         w[:, dead] = 0
     target, h_orig = (w.clone(), h.clone()) if cfg.refit_scales else (None, None)
-    diag = torch.diag(h).clone()  # importance of each input column, in stored order
+    # What a span's parameter search weighs its columns by: the integer grid's clipping search takes
+    # diag H when weighted; a GGUF block's search takes it as its importance vector (imatrix).
+    weigh = cfg.mse and cfg.mse_weighted if integer else True
+    stored_energy = torch.diag(h).clone()  # each input column's, in stored order
 
-    def importance(g: int, order: torch.Tensor | None = None) -> torch.Tensor | None:
-        """What the span's parameter search weighs columns by: the integer grid's clipping search
-        takes diag H (processing order) when weighted; a GGUF block's search takes it as its imatrix."""
-        if integer:
-            if not (cfg.mse and cfg.mse_weighted):
-                return None
-            return diag[g * gs: (g + 1) * gs] if order is None else energy[order]
-        return diag[g * gs: (g + 1) * gs]
+    def span_energy(g: int) -> torch.Tensor | None:
+        return stored_energy[g * gs: (g + 1) * gs] if weigh else None
 
     params: list[Any] = [None] * n_groups
     static = cfg.static_groups or cfg.group_size <= 0 and integer
     if static:
         for g in range(n_groups):
-            params[g] = grid.choose(w[:, g * gs: (g + 1) * gs], importance(g))
+            params[g] = grid.choose(w[:, g * gs: (g + 1) * gs], span_energy(g))
 
     perm = torch.argsort(torch.diag(h), descending=True) if cfg.act_order else None
     group_aware = cfg.group_aware and not static and not cfg.act_order
@@ -206,7 +203,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, 
         w = w[:, perm]
         h = h[perm][:, perm]
     hinv, damp = inverse_hessian_factor(h, cfg.damp, cfg.damp_step, name)
-    energy = torch.diag(h).clone()  # in processing order
+    energy = torch.diag(h).clone()  # each column's, in processing order
 
     codes = torch.zeros(rows, cols, dtype=torch.uint8, device=w.device)
     # group of each processed (possibly permuted) column
@@ -233,12 +230,13 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, 
                 end = c + min((g + 1) * gs, cols) - g * gs  # c plus the span's width
                 current = w_blk[:, i:] if end <= b1 else torch.cat([w_blk[:, i:], w[:, b1:end]], dim=1)
                 current = current[:, : end - c]
-                order = None
-                if integer:
-                    order = slice(c, end) if perm is not None or group_aware else None
-                elif perm is not None:  # a GGUF block's sub-blocks are positional: search it in stored order
-                    current = current[:, torch.argsort(perm[c:end])]
-                p = params[g] = grid.choose(current, importance(g, order))
+                if integer:  # columns in processing order, as GPTQ's reference code weighs them
+                    p = grid.choose(current, energy[c:end] if weigh else None)
+                else:  # a GGUF block's sub-blocks are positional: search it in stored order
+                    if perm is not None:
+                        current = current[:, torch.argsort(perm[c:end])]
+                    p = grid.choose(current, span_energy(g))
+                params[g] = p
             col = w_blk[:, i]
             j = stored[c] - g * gs  # the column's place in its span
             q = grid.round(col, p, j)

@@ -139,16 +139,18 @@ def _head(source: ModelSource, spec: QuantizeSpec, method: Method, device: torch
 
 def forward_copy(block: nn.Module, stages: tuple[Stage, ...], dtype: torch.dtype) -> nn.Module:
     """The block that carries the calibration forward: `block` itself in float32; otherwise a copy
-    in `dtype` whose linears cast their input to it, with the norms that read the float32 residual
-    stream (the stages' non-linear producers) kept in float32."""
+    in `dtype`. The norms that read the float32 residual stream (the stages' non-linear producers)
+    keep float32 weights and hand their output on in `dtype`; linears cast what else reaches them."""
     if dtype == torch.float32:
         return block
     run = copy.deepcopy(block)
     residual_norms = {s.producer for s in stages if not isinstance(block.get_submodule(s.producer), nn.Linear)}
     for name, module in run.named_modules():
-        if name not in residual_norms:
-            for p in module.parameters(recurse=False):
-                p.data = p.data.to(dtype)
+        if name in residual_norms:
+            module.register_forward_hook(lambda m, args, out: out.to(dtype))
+            continue
+        for p in module.parameters(recurse=False):
+            p.data = p.data.to(dtype)
         if isinstance(module, nn.Linear):
             module.register_forward_pre_hook(lambda m, args: (args[0].to(m.weight.dtype), *args[1:]))
     return run

@@ -138,7 +138,9 @@ class BlockGrid:
 
     # ---------------------------------------------------------------------------- error feedback
     def span(self, cols: int) -> int:
-        check_rows(torch.empty(0, cols), self.block, self.name)
+        """Columns whose parameters are chosen together: one (super-)block; rows must fill whole blocks."""
+        if cols % self.block:
+            raise InputError(f"{self.name} needs rows that are a multiple of {self.block}, got {cols}")
         return self.block
 
     def choose(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> BlockParams:

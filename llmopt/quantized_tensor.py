@@ -56,6 +56,10 @@ class QuantizedTensor:
     def _per_column(self, t: torch.Tensor) -> torch.Tensor:
         if t.shape[1] == 1:
             return t.expand(self.shape[0], 1) if t.shape[0] == 1 else t
+        rows, cols = self.shape
+        gs = self.group_size
+        if self.g_idx is None and gs > 0 and t.shape[1] * gs == cols:  # contiguous whole groups: a view
+            return t.unsqueeze(-1).expand(rows, t.shape[1], gs).reshape(rows, cols)
         return t[:, self.group_index()]
 
     def take_rows(self, rows: torch.Tensor | slice) -> QuantizedTensor:

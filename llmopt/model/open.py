@@ -7,7 +7,7 @@ from pathlib import Path
 from llmopt.errors import InputError
 from llmopt.model.gguf_file import GGUFSource
 from llmopt.model.gguf_header import MAGIC as GGUF_MAGIC
-from llmopt.model.gptq_dir import open_hf_dir
+from llmopt.model.quantized_dir import open_hf_dir
 from llmopt.model.hub import looks_like_hub_id, resolve_hub_id
 from llmopt.model.source import ModelSource
 

@@ -1,14 +1,19 @@
-"""Bit packing of integer codes into int32 words, as GPTQ checkpoints store them ("gptq" format v1).
+"""Bit packing of integer codes into int32 words, as GPTQ ("gptq" format v1) and AWQ (GEMM)
+checkpoints store them.
 
-Every width (2, 3, 4, 8 bits) is the same layout: the values along the packed dimension form one
-little-endian bit stream, value k occupying bits [k*bits, (k+1)*bits) of it, cut into 32-bit words.
+GPTQ: every width (2, 3, 4, 8 bits) is the same layout: the values along the packed dimension form
+one little-endian bit stream, value k occupying bits [k*bits, (k+1)*bits) of it, cut into words.
 For 2/4/8 bits each word holds 32/bits whole values; for 3 bits 32 values span 3 words and two of
 them straddle a word boundary (AutoGPTQ's pack loop writes exactly this stream).
 
 `qweight` packs codes along the input dimension ([in, out] -> [in*bits/32, out]); `qzeros` packs
 zero points along the output dimension ([groups, out] -> [groups, out*bits/32]). Format v1 stores
 zero points minus one (modulo 2**bits), a quirk of the original GPTQ CUDA kernels that every v1
-reader undoes. This module is shared by the GPTQ writer (formats/) and the GPTQ reader (model/).
+reader undoes.
+
+AWQ (4 bits only): `qweight` [in, out/8] and `qzeros` [groups, out/8] both pack along the output
+dimension, eight values a word in the interleaved order 0, 2, 4, 6, 1, 3, 5, 7, and store true zero
+points. This module is shared by the writers (formats/) and the readers (model/).
 """
 
 from __future__ import annotations
@@ -94,3 +99,31 @@ def unpack_qzeros(qzeros: torch.Tensor, bits: int, out_features: int) -> torch.T
     """v1 qzeros -> true zero points [groups, out] in [1, 2**bits] (stored value + 1, as v1 readers do)."""
     stored = unpack_rows(qzeros.t().contiguous(), bits, out_features).t()
     return (stored.to(torch.int64) + 1).to(torch.int32).contiguous()
+
+
+# AWQ's GEMM layout packs 4-bit values along the last dimension, eight to an int32, in the
+# interleaved order of its kernels: nibble i of a word holds value AWQ_ORDER[i] of its eight.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def pack_awq(values: torch.Tensor) -> torch.Tensor:
+    """4-bit values [rows, cols] (cols a multiple of 8) -> int32 [rows, cols/8] in AWQ's order."""
+    rows, cols = values.shape
+    if cols % 8:
+        raise ValueError(f"AWQ packs 8 values a word; {cols} is not a multiple of 8")
+    v = values.to(torch.int64)
+    if int(v.min()) < 0 or int(v.max()) > 15:
+        raise ValueError("values out of range for 4 bits")
+    groups = v.view(rows, cols // 8, 8)[:, :, list(AWQ_ORDER)]
+    word = (groups << (4 * torch.arange(8, dtype=torch.int64))).sum(dim=-1)
+    return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
+
+
+def unpack_awq(packed: torch.Tensor, cols: int | None = None) -> torch.Tensor:
+    """Inverse of `pack_awq`: int32 [rows, words] -> int32 [rows, cols] values in [0, 16)."""
+    rows, words = packed.shape
+    nibbles = (packed.to(torch.int64).unsqueeze(-1) >> (4 * torch.arange(8, dtype=torch.int64))) & 0xF
+    values = torch.empty_like(nibbles)
+    values[:, :, list(AWQ_ORDER)] = nibbles  # nibble i is value AWQ_ORDER[i]
+    values = values.reshape(rows, words * 8)
+    return (values if cols is None else values[:, :cols]).to(torch.int32)

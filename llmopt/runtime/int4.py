@@ -1,6 +1,6 @@
-"""4-bit GPTQ linears kept packed, multiplied by torch's int4 weight-only kernel (CPU).
+"""4-bit GPTQ and AWQ linears kept packed, multiplied by torch's int4 weight-only kernel (CPU).
 
-GPTQ dequantizes as W = (q - z) * s per group. torch's int4 kernel computes W = (q - 8) * s + m
+GPTQ and AWQ dequantize as W = (q - z) * s per group. torch's int4 kernel computes W = (q - 8) * s + m
 per group, so the same weights are expressed exactly with m = (8 - z) * s. The kernel needs plain
 contiguous groups (no act-order permutation), 4 bits, and a group size it tiles (32..256) that
 divides the input width; other layers are dequantized instead. On CUDA the runtime dequantizes

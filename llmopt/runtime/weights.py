@@ -14,7 +14,7 @@ from llmopt.device import resolve_device
 from llmopt.errors import InputError, OptionError
 from llmopt.model import ModelSource, TokenizerInfo, open_model
 from llmopt.model.decoder import Decoder, Rotary, hf_to_param_name
-from llmopt.model.gptq_dir import GPTQDirSource
+from llmopt.model.quantized_dir import PackedDirSource
 from llmopt.runtime.arena import pack_contiguously
 from llmopt.runtime.int4 import PackedInt4Linear, packable
 from llmopt.runtime.row_major import use_row_major_linears
@@ -53,12 +53,12 @@ def load_model(spec: str, dtype: str = "auto", device: str = "auto", packed: boo
 
 
 def build_decoder(source: ModelSource, dtype: torch.dtype, device: torch.device, packed: bool = True) -> Decoder:
-    """Float and GGUF sources: dequantized into the dtype. GPTQ: 4-bit layers stay packed where the
+    """Float and GGUF sources: dequantized into the dtype. GPTQ and AWQ: 4-bit layers stay packed where the
     int4 kernel applies (`packed`), the rest is dequantized layer by layer. On CPU, float linears
     take the row-major layout that streams weights fastest (see row_major.py), and the weights then
     move into one contiguous block (arena.py)."""
-    if isinstance(source, GPTQDirSource):
-        model = _gptq_decoder(source, dtype, device, packed)
+    if isinstance(source, PackedDirSource):
+        model = _packed_decoder(source, dtype, device, packed)
     elif source.quantization_config:
         method = source.quantization_config.get("quant_method", "quantized")
         raise InputError(f"{source.path}: {method} checkpoints are not supported by the runtime")
@@ -71,7 +71,7 @@ def build_decoder(source: ModelSource, dtype: torch.dtype, device: torch.device,
     return model
 
 
-def _gptq_decoder(source: GPTQDirSource, dtype: torch.dtype, device: torch.device, packed: bool) -> Decoder:
+def _packed_decoder(source: PackedDirSource, dtype: torch.dtype, device: torch.device, packed: bool) -> Decoder:
     arch = source.arch
     with torch.device("meta"):
         model = Decoder(arch)

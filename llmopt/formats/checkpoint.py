@@ -1,0 +1,234 @@
+"""Quantized HF checkpoints (GPTQ, AWQ) and dense dequantized HF directories, written block by block
+as the quantization pipeline yields them.
+
+Each quantized linear `<module>` becomes the tensors of its format's layout (formats/gptq.py,
+formats/awq.py; dense: one float16 `.weight`). Everything else (embeddings, norms, an unquantized
+head, biases) is written as float16 from the source, or from the pipeline where a method changed
+it (AWQ's norms). `config.json` carries the layout's `quantization_config`.
+
+`CheckpointWriter` is a sink: the caller hands it each `BlockResult` (`add`) and then `finish`es.
+The tensor plan is known before any block is quantized, so shards stream: each tensor is written
+as soon as everything before it is (the tensors of layer i once block i has been added), and a
+block's results are dropped once written.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+import llmopt
+from llmopt.errors import OptionError
+from llmopt.formats import awq, gptq
+from llmopt.formats.atomic import AtomicDir
+from llmopt.formats.safetensors_stream import PlannedTensor, ShardedWriter
+from llmopt.model.source import ModelSource
+from llmopt.quant.pipeline import HEAD, BlockResult, QuantizeSpec, head_weight_name, quantized_modules
+from llmopt.quantized_tensor import QuantizedTensor
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class Layout(Protocol):
+    """How one format stores a quantized linear."""
+
+    name: str
+
+    def check(self, spec: QuantizeSpec) -> None: ...
+
+    def parts(self, out_f: int, in_f: int, bits: int, group_size: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]: ...
+
+    def tensors(self, qt: QuantizedTensor) -> dict[str, torch.Tensor]: ...
+
+    def quantization_config(self, spec: QuantizeSpec, provenance: dict[str, Any]) -> dict[str, Any]: ...
+
+
+class Dense:
+    """Dequantized float16 weights, no quantization_config: for tools that read no packed format."""
+
+    name = "dense"
+
+    def check(self, spec: QuantizeSpec) -> None:
+        pass
+
+    def parts(self, out_f: int, in_f: int, bits: int, group_size: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        return [("weight", (out_f, in_f), torch.float16)]
+
+    def tensors(self, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
+        return {"weight": qt.dequantize(torch.float32).to(torch.float16)}
+
+    def quantization_config(self, spec: QuantizeSpec, provenance: dict[str, Any]) -> dict[str, Any] | None:
+        return None
+
+
+LAYOUTS: dict[str, Layout] = {"gptq": gptq.LAYOUT, "awq": awq.LAYOUT, "dense": Dense()}
+FORMATS = tuple(LAYOUTS)
+
+
+def layout(fmt: str) -> Layout:
+    if fmt not in LAYOUTS:
+        raise OptionError(f"bad <fmt> {fmt!r}; choose one of {', '.join(FORMATS)}")
+    return LAYOUTS[fmt]
+
+
+def zero_min(fmt: str, sym: bool) -> int:
+    """The smallest zero point `fmt` can store: GPTQ v1 stores zero − 1, so an asymmetric zero of 0
+    would wrap; the integer grid then keeps zeros >= 1 (see grids/integer.py)."""
+    return 1 if fmt == "gptq" and not sym else 0
+
+
+def check_spec(spec: QuantizeSpec, fmt: str) -> None:
+    """Refuse what the format cannot hold, before any work is done."""
+    layout(fmt).check(spec)
+
+
+def _order(name: str) -> tuple[int, int, str]:
+    """Embeddings, then blocks in layer order, then the final norm and head: the pipeline's order."""
+    m = _LAYER.match(name)
+    if m:
+        return (1, int(m.group(1)), name)
+    return (0 if "embed_tokens" in name else 2, 0, name)
+
+
+def plan_tensors(source: ModelSource, spec: QuantizeSpec, fmt: str) -> tuple[list[PlannedTensor], dict[str, str]]:
+    """Every tensor to write, and for quantized ones the module that produces it."""
+    arch = source.arch
+    quantized = set(quantized_modules(source, spec))
+    names = [n for n in source.tensors if n.removesuffix(".weight") not in quantized or not n.endswith(".weight")]
+    if spec.quantize_head and "lm_head.weight" not in source.tensors:
+        names.append("lm_head.weight")  # a tied head gets its own quantized copy
+    if arch.tie_word_embeddings and not spec.quantize_head:
+        names = [n for n in names if n != "lm_head.weight"]
+    plan: list[PlannedTensor] = []
+    producer: dict[str, str] = {}
+    for module in quantized:
+        names.append(f"{module}.weight")
+    parts = layout(fmt).parts
+    for name in sorted(set(names), key=_order):
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module in quantized:
+            weight = head_weight_name(source) if module == HEAD else name
+            out_f, in_f = (int(d) for d in source.tensors[weight].shape)
+            for part, shape, dtype in parts(out_f, in_f, spec.method.bits, spec.method.group_size):
+                plan.append(PlannedTensor(f"{module}.{part}", shape, dtype))
+                producer[f"{module}.{part}"] = module
+        else:
+            plan.append(PlannedTensor(name, source.tensors[name].shape, torch.float16))
+    return plan, producer
+
+
+class CheckpointWriter:
+    """A sink for the pipeline's results: a GPTQ, AWQ or dense HF directory at `out`, written atomically.
+
+        with CheckpointWriter(source, spec, out, "awq") as writer:
+            for block in quantize_model(source, spec, tokens):
+                writer.add(block)
+            path = writer.finish()
+    """
+
+    def __init__(self, source: ModelSource, spec: QuantizeSpec, out: Path, fmt: str = "gptq",
+                 provenance: dict[str, Any] | None = None, force: bool = False, max_shard_bytes: int = 5 * 10**9):  # fmt: skip
+        check_spec(spec, fmt)
+        self.source, self.spec, self.layout = source, spec, layout(fmt)
+        self.provenance = provenance or {}
+        self.plan, self.producer = plan_tensors(source, spec, fmt)
+        self.dir = AtomicDir(out, force)
+        metadata = {"format": "pt", "producer": f"llmopt {llmopt.__version__}", "source": source.path.name}
+        self.shards = ShardedWriter(self.dir.tmp, self.plan, max_shard_bytes, metadata)
+        self.held: dict[str, QuantizedTensor] = {}  # results added but not yet written
+        self.updated: dict[str, torch.Tensor] = {}  # float tensors the pipeline changed (AWQ's norms)
+        self.layers_added: set[int] = set()
+        self.packed: dict[str, dict[str, torch.Tensor]] = {}
+        self.unwritten: dict[str, int] = {}  # module -> its tensors still to write
+        for module in self.producer.values():
+            self.unwritten[module] = self.unwritten.get(module, 0) + 1
+        self.path: Path | None = None
+
+    def add(self, block: BlockResult) -> None:
+        """Take one block's results; write every tensor whose turn has come."""
+        self.held.update(block.tensors)
+        self.updated.update(block.updated)
+        self.layers_added.add(block.layer)
+        self._write_ready()
+
+    def _ready(self, name: str) -> bool:
+        """A block's own tensors wait for the block: the pipeline may change them (AWQ's norms)."""
+        module = self.producer.get(name)
+        if module is not None:
+            return module in self.held
+        m = _LAYER.match(name)
+        return m is None or int(m.group(1)) in self.layers_added
+
+    def _write_ready(self, final: bool = False) -> None:
+        while (t := self.shards.next) is not None:
+            if not final and not self._ready(t.name):
+                return
+            module = self.producer.get(t.name)
+            if module is None:
+                tensor = self.updated.pop(t.name, None)
+                if tensor is None:
+                    tensor = self.source.load(t.name, dtype=torch.float32)
+                tensor = tensor.to(torch.float16)
+            elif module not in self.held:
+                raise RuntimeError(f"{t.name}: the pipeline produced no result for {module}")
+            else:
+                if module not in self.packed:
+                    self.packed[module] = self.layout.tensors(self.held[module])
+                tensor = self.packed[module][t.name.rpartition(".")[2]]
+            self.shards.put(tensor)
+            if module is not None:
+                self.unwritten[module] -= 1
+                if not self.unwritten[module]:  # every part of it is written
+                    self.held.pop(module)
+                    self.packed.pop(module, None)
+
+    def finish(self) -> Path:
+        """Write what is left (norms, head, config, tokenizer) and move the directory into place."""
+        self._write_ready(final=True)
+        self.shards.close()
+        tmp, source = self.dir.tmp, self.source
+        config = source.arch.to_hf_config("float16")
+        if self.spec.quantize_head:
+            config["tie_word_embeddings"] = False
+        tok = source.tokenizer()
+        config.update(tok.special_ids() if tok is not None else {})
+        config["llmopt"] = {"version": llmopt.__version__, "quantized_from": source.path.name, **self.provenance}
+        qcfg = self.layout.quantization_config(self.spec, self.provenance)
+        if qcfg is not None:
+            config["quantization_config"] = qcfg
+            (tmp / "quantize_config.json").write_text(json.dumps(qcfg, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        _copy_tokenizer(source, tmp)
+        self.path = self.dir.commit()
+        return self.path
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        self.shards._close_file()
+        if self.path is None:  # failed, or left without finish(): nothing under the final name
+            self.dir.discard()
+
+
+def _copy_tokenizer(source: ModelSource, directory: Path) -> None:
+    """Tokenizer files verbatim from an HF source; rebuilt from metadata for a GGUF source."""
+    copied = False
+    if source.path.is_dir():
+        for name in TOKENIZER_FILES:
+            if (source.path / name).is_file():
+                shutil.copyfile(source.path / name, directory / name)
+                copied = True
+    if not copied:
+        tok = source.tokenizer()
+        if tok is not None:
+            tok.save_hf(directory, model_max_length=source.arch.max_position_embeddings)
+        specials = tok.special_ids() if tok is not None else {}
+        (directory / "generation_config.json").write_text(json.dumps(specials, indent=2) + "\n")

@@ -1,0 +1,156 @@
+"""HF directories whose linears are packed integers: GPTQ ("gptq" format v1, as AutoGPTQ, GPTQModel,
+transformers and vLLM read them) and AWQ (GEMM, as AutoAWQ, GPTQModel and vLLM read them).
+
+A packed linear is stored as `qweight`, `qzeros`, `scales` (and `g_idx` for GPTQ); the source lists
+it as one logical `<module>.weight` [out, in] and `load` returns it dequantized:
+
+    GPTQ: W[o, i] = (code[i, o] - zero[g, o]) * scale[g, o],  g = g_idx[i],  zero = stored + 1 (v1)
+    AWQ:  W[o, i] = (code[i, o] - zero[g, o]) * scale[g, o],  g = i // group_size
+
+`quantized(module)` gives the same weight as a `QuantizedTensor` for readers that keep it packed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from llmopt.errors import InputError
+from llmopt.model.hf_dir import HFDirSource
+from llmopt.model.packing import PACK_BITS, unpack_awq, unpack_qweight, unpack_qzeros
+from llmopt.model.source import ModelSource, TensorInfo
+from llmopt.quantized_tensor import QuantizedTensor
+
+
+class PackedDirSource(HFDirSource):
+    """The shared part: logical `.weight` tensors for packed modules, dequantized on `load`."""
+
+    method = ""  # the quant_method this reads
+    parts: tuple[str, ...] = ()
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        q = self.quantization_config or {}
+        try:
+            self.bits = int(q.get("bits", q.get("w_bit", 4)))
+            self.group_size = int(q.get("group_size", q.get("q_group_size", 128)))
+        except (TypeError, ValueError):
+            raise InputError(f"{path}: quantization_config has a bad bits or group_size") from None
+        self.check_config(q)
+        self.stored = self.tensors
+        self.modules: dict[str, tuple[int, int]] = {}  # module -> (out, in)
+        logical: dict[str, TensorInfo] = {}
+        for name, info in self.stored.items():
+            module, _, part = name.rpartition(".")
+            if part not in self.parts:
+                logical[name] = info
+                continue
+            if part == "qweight":
+                out_f, in_f = self.linear_shape(module, info.shape)
+                self.modules[module] = (out_f, in_f)
+                nbytes = sum(self.stored[f"{module}.{p}"].nbytes for p in self.parts if f"{module}.{p}" in self.stored)
+                kind = f"{self.method.upper()}{self.bits}"
+                logical[f"{module}.weight"] = TensorInfo(f"{module}.weight", name, (out_f, in_f), kind, nbytes)
+        self.tensors = logical
+
+    def check_config(self, q: dict) -> None:
+        """Refuse what this reader cannot read (one line)."""
+
+    def linear_shape(self, module: str, qweight_shape: tuple[int, ...]) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def quantized(self, module: str) -> QuantizedTensor:
+        """One packed linear as codes [out, in], scales and true zero points [out, groups], g_idx."""
+        raise NotImplementedError
+
+    def raw(self, module: str, part: str) -> torch.Tensor:
+        name = f"{module}.{part}"
+        return self._handles[self._file_of[name]].get_tensor(name)
+
+    def load(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module in self.modules:
+            w = self.quantized(module).dequantize(torch.float32)
+            return w.to(dtype or torch.float16)
+        return super().load(name, dtype)
+
+    def _checked(self, module: str, qt: QuantizedTensor) -> QuantizedTensor:
+        groups = int(qt.group_index().max()) + 1
+        if qt.scales.shape != qt.zeros.shape or qt.scales.shape[0] != qt.shape[0] or groups > qt.scales.shape[1]:
+            raise InputError(f"{self.path}: {module}: inconsistent {self.method.upper()} tensors (scales "
+                             f"{tuple(qt.scales.shape)}, qzeros {tuple(qt.zeros.shape)}, groups used {groups})")  # fmt: skip
+        return qt
+
+
+class GPTQDirSource(PackedDirSource):
+    kind = "hf-gptq"
+    method = "gptq"
+    parts = ("qweight", "qzeros", "scales", "g_idx")
+
+    def check_config(self, q: dict) -> None:
+        fmt = str(q.get("checkpoint_format", "gptq")).lower()
+        if self.bits not in PACK_BITS:
+            raise InputError(f"{self.path}: GPTQ bits {self.bits} is not supported (supported: {', '.join(map(str, PACK_BITS))})")
+        if fmt not in ("gptq", "gptq_v1"):
+            raise InputError(f"{self.path}: GPTQ checkpoint_format {fmt!r} is not supported (only 'gptq', format v1)")
+
+    def linear_shape(self, module: str, qweight_shape: tuple[int, ...]) -> tuple[int, int]:
+        g_idx = self.stored.get(f"{module}.g_idx")
+        in_f = g_idx.shape[0] if g_idx is not None else qweight_shape[0] * 32 // self.bits
+        return qweight_shape[1], in_f
+
+    def quantized(self, module: str) -> QuantizedTensor:
+        out_f, in_f = self.modules[module]
+        codes = unpack_qweight(self.raw(module, "qweight"), self.bits, in_f).t().contiguous()
+        zeros = unpack_qzeros(self.raw(module, "qzeros"), self.bits, out_f)
+        if f"{module}.g_idx" in self.stored:
+            g_idx = self.raw(module, "g_idx").to(torch.int64)
+        else:
+            g_idx = torch.arange(in_f) // (in_f if self.group_size <= 0 else self.group_size)
+        qt = QuantizedTensor(codes=codes, scales=self.raw(module, "scales").t().contiguous(), bits=self.bits,
+                             group_size=self.group_size, zeros=zeros.t().contiguous(), g_idx=g_idx, grid="int")  # fmt: skip
+        return self._checked(module, qt)
+
+
+class AWQDirSource(PackedDirSource):
+    kind = "hf-awq"
+    method = "awq"
+    parts = ("qweight", "qzeros", "scales")
+
+    def check_config(self, q: dict) -> None:
+        version = str(q.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise InputError(f"{self.path}: AWQ version {version!r} is not supported (only 'gemm')")
+        if self.bits != 4:
+            raise InputError(f"{self.path}: AWQ bits {self.bits} is not supported (GEMM checkpoints are 4-bit)")
+
+    def linear_shape(self, module: str, qweight_shape: tuple[int, ...]) -> tuple[int, int]:
+        return qweight_shape[1] * 8, qweight_shape[0]
+
+    def quantized(self, module: str) -> QuantizedTensor:
+        out_f, in_f = self.modules[module]
+        codes = unpack_awq(self.raw(module, "qweight"), out_f).t().contiguous()  # [in, out] -> [out, in]
+        zeros = unpack_awq(self.raw(module, "qzeros"), out_f).t().contiguous()  # [groups, out] -> [out, groups]
+        scales = self.raw(module, "scales").t().contiguous()
+        group = in_f if self.group_size <= 0 else self.group_size
+        qt = QuantizedTensor(codes=codes, scales=scales, bits=4, group_size=group, zeros=zeros, grid="int")
+        return self._checked(module, qt)
+
+
+READERS: dict[str, type[PackedDirSource]] = {"gptq": GPTQDirSource, "awq": AWQDirSource}
+
+
+def open_hf_dir(path: Path) -> ModelSource:
+    """An HF directory, read as GPTQ or AWQ when its config's quantization_config says so."""
+    config_path = path / "config.json"
+    config = {}
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            config = {}
+    q = config.get("quantization_config") if isinstance(config, dict) else None
+    method = str(q.get("quant_method", "")).lower() if isinstance(q, dict) else ""
+    return READERS[method](path) if method in READERS else HFDirSource(path)

@@ -93,6 +93,7 @@ class GPTQ:
 
     name = "gptq"
     calibrated = True
+    stage_statistics = True
 
     def __init__(self, config: GPTQConfig):
         self.config = config

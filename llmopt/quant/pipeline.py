@@ -36,7 +36,7 @@ from llmopt.model.decoder import RMSNorm, Rotary, load_block
 from llmopt.model.families.base import HEAD, Stage
 from llmopt.model.source import ModelSource
 from llmopt.quant.grids import Grid
-from llmopt.quant.method import Collector, Method, MethodConfig, Quantized
+from llmopt.quant.method import BlockAccess, Collector, Method, MethodConfig, Quantized
 from llmopt.quant.metrics import weight_error
 from llmopt.quant.staged import StagedForward
 from llmopt.quantized_tensor import QuantizedTensor
@@ -70,6 +70,8 @@ class BlockResult:
     tensors: dict[str, QuantizedTensor]  # HF module name -> quantized weight
     reports: list[LayerReport] = field(default_factory=list)
     seconds: float = 0.0
+    updated: dict[str, torch.Tensor] = field(default_factory=dict)  # HF tensor name -> float32 weight that
+    # replaces the source's (norms AWQ folded its scales into); writers take these over the source
 
 
 def module_name(layer: int, linear: str) -> str:
@@ -192,24 +194,55 @@ def _calibrated_block(source: ModelSource, spec: QuantizeSpec, method: Method, l
     block = load_block(source, layer, torch.float32, device)  # the weights the method quantizes
     run = forward_copy(block, stages, spec.act_dtype)  # the one the forward uses
     result = BlockResult(layer, {})
-    fp_inputs = _stage_inputs(run, stages, x_fp, chunks, cos, sin) if x_fp is not None else None
 
     def forward(i: int) -> torch.Tensor:
         return run(x[chunks[i]], cos, sin)
 
-    with StagedForward(run, stages, forward, len(chunks)) as staged:
-        for k, stage in enumerate(stages):
-            stats = None
-            for i, inp in staged.inputs(k):
-                if stats is None:
-                    stats = method.collector(inp.shape[-1], device)
-                stats.add(inp, None if fp_inputs is None else fp_inputs[k][chunks[i]])
-            _quantize_stage(block, run, layer, stage, spec, method, stats, result)
-            del stats
-        for i, out in staged.outputs():  # the block's outputs with every weight quantized
-            x[chunks[i]] = out
+    if hasattr(method, "block_collector"):  # a method that changes the block first (AWQ)
+        _transform(block, run, layer, source, spec, method, forward, len(chunks), result)
+    fp_inputs = _stage_inputs(run, stages, x_fp, chunks, cos, sin) if x_fp is not None else None
+
+    if not method.stage_statistics:  # rounding needs no statistics of the stages' inputs: no staged pass
+        for stage in stages:
+            _quantize_stage(block, run, layer, stage, spec, method, None, result)
+        for i in range(len(chunks)):  # the block's outputs with every weight quantized
+            x[chunks[i]] = forward(i)
+    else:
+        with StagedForward(run, stages, forward, len(chunks)) as staged:
+            for k, stage in enumerate(stages):
+                stats = None
+                for i, inp in staged.inputs(k):
+                    if stats is None:
+                        stats = method.collector(inp.shape[-1], device)
+                    stats.add(inp, None if fp_inputs is None else fp_inputs[k][chunks[i]])
+                _quantize_stage(block, run, layer, stage, spec, method, stats, result)
+                del stats
+            for i, out in staged.outputs():  # the block's outputs with every weight quantized
+                x[chunks[i]] = out
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _transform(block: nn.Module, run: nn.Module, layer: int, source: ModelSource, spec: QuantizeSpec,
+               method: Method, forward: Callable[[int], torch.Tensor], n: int, result: BlockResult) -> None:  # fmt: skip
+    """Gather every stage's input statistics over the unquantized block, let the method change the
+    block (float32 weights, then its forward copy), and record the non-linear tensors it changed."""
+    family = source.arch.family
+    stats: list = [None] * len(family.stages)
+    with StagedForward(run, family.stages, forward, n) as staged:  # closing unwinds the rest of the forward
+        for k in range(len(family.stages)):
+            for _, inp in staged.inputs(k):
+                if stats[k] is None:
+                    stats[k] = method.block_collector(inp.shape[-1], inp.device)
+                stats[k].add(inp)
+    access = BlockAccess(layer, block, family.stages, stats, spec.grid_for, family.score_linears)
+    changes = method.transform_block(access)
+    if run is not block:
+        for (_, mine), (_, master) in zip(run.named_parameters(), block.named_parameters()):
+            mine.data = master.data.to(mine.dtype)
+    for module in sorted(changes.modules):
+        for pname, p in block.get_submodule(module).named_parameters():
+            result.updated[f"model.layers.{layer}.{module}.{pname}"] = p.data.detach().to("cpu", torch.float32).clone()
 
 
 def _stage_inputs(run: nn.Module, stages: tuple[Stage, ...], x_fp: torch.Tensor, chunks: list[slice],

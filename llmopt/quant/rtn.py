@@ -39,6 +39,7 @@ def rtn_quantize(weight: torch.Tensor, cfg: RTNConfig) -> QuantizedTensor:
 class RTN:
     name = "rtn"
     calibrated = False
+    stage_statistics = False
     full_precision_inputs = False
 
     def __init__(self, config: RTNConfig):

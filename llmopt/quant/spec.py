@@ -10,21 +10,29 @@ import torch
 
 from llmopt.errors import InputError, OptionError
 from llmopt.model.source import ModelSource
+from llmopt.quant.awq import AWQConfig
 from llmopt.quant.gptq import GPTQConfig
 from llmopt.quant.pipeline import QuantizeSpec, head_weight_name
 from llmopt.quant.rtn import RTNConfig
 
-METHODS = {"rtn": RTNConfig, "gptq": GPTQConfig}
+METHODS = ("rtn", "gptq", "awq", "awq+gptq")
+GPTQ_ONLY = "<act_order>, <group_aware>, <static_groups>, <refit_scales> and <gptaq>"
 
 
-def build_spec(method: str = "gptq", bits: int = 4, group_size: int = 128, sym: bool = True, *,
+def default_sym(method: str) -> bool:
+    """AWQ keeps a zero point per group (as its checkpoints do); RTN and GPTQ default to symmetric."""
+    return not method.startswith("awq")
+
+
+def build_spec(method: str = "gptq", bits: int = 4, group_size: int = 128, sym: bool | None = None, *,
                act_order: bool = False, static_groups: bool = False, damp: float = 0.01, mse: bool = False,
-               refit_scales: bool = False, gptaq: float = 0.0, group_aware: bool | None = None,
+               refit_scales: bool = False, gptaq: float = 0.0, group_aware: bool | None = None, clip: bool = True,
                quantize_head: bool = False, batch_size: int = 8, act_dtype: torch.dtype = torch.float32,
                zero_min: int = 0) -> QuantizeSpec:  # fmt: skip
-    """Validate the options and turn them into the typed config of `method`. `group_aware=None`
-    means GPTQModel's default: on with groups, unless act-order or static groups are asked for.
-    `zero_min` is the output format's smallest storable zero point (formats.gptq.zero_min)."""
+    """Validate the options and turn them into the typed config of `method`. `sym=None` is the
+    method's default (`default_sym`); `group_aware=None` means GPTQModel's default: on with groups,
+    unless act-order or static groups are asked for. `clip` is AWQ's clipping search. `zero_min`
+    is the output format's smallest storable zero point (formats.checkpoint.zero_min)."""
     if method not in METHODS:
         raise OptionError(f"<method> {method!r}: choose one of {', '.join(METHODS)}")
     if not 2 <= bits <= 8:
@@ -33,24 +41,34 @@ def build_spec(method: str = "gptq", bits: int = 4, group_size: int = 128, sym: 
         raise OptionError(f"<group_size> {group_size}: use a positive size, -1 (per channel) or 0 (per tensor)")
     if batch_size < 1:
         raise OptionError(f"<batch_size> {batch_size}: must be positive")
+    sym = default_sym(method) if sym is None else sym
+    gptq_rounding = method in ("gptq", "awq+gptq")
     if group_aware is None:  # GPTQModel's default too: it costs nothing and the format is unchanged
-        group_aware = method == "gptq" and group_size > 0 and not (act_order or static_groups)
-    if method == "rtn":
+        group_aware = gptq_rounding and group_size > 0 and not (act_order or static_groups)
+    if not clip and not method.startswith("awq"):
+        raise OptionError("turning off <clip> (AWQ's clipping search) applies to <method> awq and awq+gptq")
+    if not gptq_rounding:
         if act_order or static_groups or refit_scales or gptaq or group_aware:
-            raise OptionError("<act_order>, <group_aware>, <static_groups>, <refit_scales> and <gptaq> apply to "
-                              "<method> gptq")  # fmt: skip
-        config: RTNConfig | GPTQConfig = RTNConfig(bits, group_size, sym, mse, zero_min)
-    else:
-        if group_size == 0:
-            raise OptionError("<group_size> 0 (per tensor) is for rtn; GPTQ takes -1 or a group size")
+            raise OptionError(f"{GPTQ_ONLY} apply to <method> gptq and awq+gptq")
+        if method == "rtn":
+            return QuantizeSpec(RTNConfig(bits, group_size, sym, mse, zero_min), quantize_head=quantize_head,
+                                batch_size=batch_size, act_dtype=act_dtype)  # fmt: skip
+    if group_size == 0:
+        raise OptionError(f"<group_size> 0 (per tensor) is for rtn; {method} takes -1 or a group size")
+    gptq = None
+    if gptq_rounding:
         if not 0 <= damp < 1:
             raise OptionError(f"<damp> {damp}: choose a fraction in [0, 1)")
         if group_aware and (act_order or static_groups):
             raise OptionError("<group_aware> is an alternative to <act_order> and <static_groups>; choose one")
         if not 0 <= gptaq <= 1:
             raise OptionError(f"<gptaq> {gptaq}: choose a strength in [0, 1] (0 = off)")
-        config = GPTQConfig(bits, group_size, sym, act_order, static_groups, damp, mse=mse, zero_min=zero_min,
-                            refit_scales=refit_scales, fp_target=gptaq, group_aware=group_aware)  # fmt: skip
+        gptq = GPTQConfig(bits, group_size, sym, act_order, static_groups, damp, mse=mse, zero_min=zero_min,
+                          refit_scales=refit_scales, fp_target=gptaq, group_aware=group_aware)  # fmt: skip
+    if method == "gptq":
+        config: RTNConfig | GPTQConfig | AWQConfig = gptq
+    else:
+        config = AWQConfig(bits, group_size, sym, mse, zero_min, clip=clip, gptq=gptq)
     return QuantizeSpec(config, quantize_head=quantize_head, batch_size=batch_size, act_dtype=act_dtype)
 
 

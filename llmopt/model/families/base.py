@@ -102,6 +102,7 @@ class Family:
     qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3)
     reads_gguf: bool = True  # False when another family owns the GGUF arch name (mistral -> llama)
     stages: tuple[Stage, ...] = LLAMA_STAGES
+    score_linears: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj")  # their outputs meet in q·k
     # family-specific keys of the config.json llmopt writes (beyond the shared ones in ArchSpec)
     hf_config_keys: Callable[[ArchSpec], dict[str, Any]] = field(default=_no_keys, compare=False)
     make_block: Callable[[ArchSpec, int], nn.Module] = field(default=_default_block, compare=False)

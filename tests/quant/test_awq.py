@@ -1,0 +1,94 @@
+"""AWQ: scales folded into their producers leave the float model's function unchanged, the searches
+lower the errors they score, and the pipeline's AWQ beats round-to-nearest on the same grid."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmopt.calibration.samples import CalibConfig, calibration_tokens
+from llmopt.calibration.text import CalibText
+from llmopt.model import open_model
+from llmopt.model.decoder import Decoder, hf_to_param_name
+from llmopt.quant.awq import AWQ, AWQConfig, ActivationStats, best_clip, best_scales
+from llmopt.quant.grids import IntGrid
+from llmopt.quant.method import BlockAccess
+from llmopt.quant.pipeline import QuantizeSpec, quantize_model
+from llmopt.quant.rtn import RTNConfig
+from llmopt.quant.staged import StagedForward
+from tests.factories import CORPUS, make_tiny_hf
+
+
+def _tokens(src, n=8, t=32):
+    return calibration_tokens(CalibText([CORPUS], "corpus", "0"), src.tokenizer().encode, CalibConfig("c", None, n, t, 0))
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])  # 4: v_proj -> o_proj folds too; 2 (GQA): that stage is skipped
+def test_folded_scales_leave_the_float_model_unchanged(tmp_path, kv_heads) -> None:
+    path = make_tiny_hf(tmp_path / "m", "llama", kv_heads=kv_heads)
+    with open_model(path) as src, torch.no_grad():
+        model = Decoder.from_source(src)
+        tokens = _tokens(src)
+        before = model(tokens)
+        stages = src.arch.family.stages
+        norms = {n: p.clone() for n, p in model.named_parameters() if "norm" in n}
+        awq = AWQ(AWQConfig(4, 32, clip=False))
+        x = model.embed_tokens(tokens)
+        cos, sin = model.rotary(0, tokens.shape[1], x.dtype)
+        changed = set()
+        for layer, block in enumerate(model.layers):
+            stats = []
+            with StagedForward(block, stages, lambda i: block(x[i:i + 1], cos, sin), len(x)) as staged:
+                for k in range(len(stages)):
+                    acc = None
+                    for _, inp in staged.inputs(k):
+                        acc = acc or ActivationStats(inp.shape[-1])
+                        acc.add(inp)
+                    stats.append(acc)
+            grids = lambda name: IntGrid(4, False, 32)  # noqa: E731
+            changed |= {f"layers.{layer}.{m}" for m in awq.transform_block(
+                BlockAccess(layer, block, stages, stats, grids, src.arch.family.score_linears)).modules}
+            x = block(x, cos, sin)
+        after = model(tokens)
+    assert changed == {f"layers.{i}.{n}" for i in range(2) for n in ("input_layernorm", "post_attention_layernorm")}
+    moved = max(float((p.detach() - norms[n]).abs().max() / norms[n].abs().max()) for n, p in model.named_parameters() if n in norms)
+    assert moved > 0.1  # the scales are far from 1: the equality below is not trivial
+    assert (after - before).abs().max().item() < 1e-4
+    alphas = {k: v["awq_alpha"] for k, v in awq.details.items() if "awq_alpha" in v}
+    assert ("model.layers.1.self_attn.o_proj" in alphas) == (kv_heads == 4)
+
+
+def test_searches_lower_the_errors_they_score() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 128, generator=g) * 0.05
+    x = torch.randn(2048, 128, generator=g) * torch.rand(128, generator=g).pow(4) * 8  # uneven channels
+    stats = ActivationStats(128)
+    stats.add(x)
+    grid = IntGrid(3, False, 32)
+    s, info = best_scales([w], stats, grid, AWQConfig(3, 32))
+    assert info["awq_error_after"] < 0.8 * info["awq_error_before"] and not torch.all(s == 1)
+    clipped, cinfo = best_clip(w, stats.value(), grid, AWQConfig(3, 32))
+    assert cinfo["clip_error_after"] <= cinfo["clip_error_before"] and cinfo["clip_shrink"] < 1
+    assert clipped.abs().le(w.abs()).all()
+
+
+def test_awq_beats_round_to_nearest_on_the_same_grid(tmp_path) -> None:
+    """Output error of the quantized tiny model against the float one, asym 3-bit g32: AWQ lower."""
+    path = make_tiny_hf(tmp_path / "m", "llama")
+    with open_model(path) as src, torch.no_grad():
+        tokens = _tokens(src, n=16, t=48)
+        reference = Decoder.from_source(src)(tokens)
+
+        def logits(spec: QuantizeSpec) -> torch.Tensor:
+            model = Decoder.from_source(src)
+            state = model.state_dict()
+            for block in quantize_model(src, spec, tokens):
+                for name, qt in block.tensors.items():
+                    state[hf_to_param_name(name) + ".weight"].copy_(qt.dequantize())
+                for name, t in block.updated.items():
+                    state[hf_to_param_name(name)].copy_(t)
+            return model(tokens)
+
+        rtn = (logits(QuantizeSpec(RTNConfig(3, 32, False))) - reference).pow(2).mean()
+        awq = (logits(QuantizeSpec(AWQConfig(3, 32))) - reference).pow(2).mean()
+    assert awq < 0.9 * rtn, (float(awq), float(rtn))

@@ -42,14 +42,14 @@ def make_tokenizer(directory: Path, vocab_size: int = 320) -> "object":
 
 
 def make_tiny_hf(directory: Path, family: str = "llama", tie: bool = False, seed: int = 0,
-                 dtype: torch.dtype = torch.float32, layers: int = 2) -> Path:
+                 dtype: torch.dtype = torch.float32, layers: int = 2, kv_heads: int = 2) -> Path:
     """A random tiny model of `family` saved as an HF directory (safetensors) with a tokenizer."""
     import transformers
 
     directory.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer(directory)
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=tok.get_vocab_size(), max_position_embeddings=256,
+                  num_key_value_heads=kv_heads, vocab_size=tok.get_vocab_size(), max_position_embeddings=256,
                   tie_word_embeddings=tie, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
     if family == "llama":
         config = transformers.LlamaConfig(**common, rope_theta=10000.0)
@@ -161,7 +161,7 @@ def rest_is(name: str, proj: str) -> bool:
 
 def write_checkpoint(source, spec, blocks, out: Path, fmt: str = "gptq", on_block=None) -> Path:
     """Hand every block the pipeline yields to the checkpoint writer, as `llmopt.api.quantize` does."""
-    from llmopt.formats.gptq import CheckpointWriter
+    from llmopt.formats.checkpoint import CheckpointWriter
 
     with CheckpointWriter(source, spec, out, fmt) as writer:
         for block in blocks:

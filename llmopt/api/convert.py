@@ -6,17 +6,26 @@ weighted by an importance matrix; `plan_gguf_file` is the dry run (types and exa
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from llmopt.api.quantize import QuantizeResult, calibrate, feed, layer_row, provenance
+from llmopt.calibration.samples import CalibConfig
+from llmopt.calibration.text import SELF
+from llmopt.device import resolve_calib_dtype, resolve_device
 from llmopt.errors import OptionError
 from llmopt.formats.atomic import check_output
-from llmopt.formats.gguf.writer import GgufPlan, PlannedTensor, Provenance, plan_gguf, write_gguf
+from llmopt.formats.gguf.writer import GGUFWriter, GgufPlan, PlannedTensor, Provenance, grids_for, plan_gguf, write_gguf
 from llmopt.formats.hf import output_bytes, parse_size, write_hf_dir
 from llmopt.formats.imatrix import read_imatrix
 from llmopt.model import ModelSource, open_model
+from llmopt.quant.grids import GRIDS
+from llmopt.quant.pipeline import BlockResult, quantized_modules
+from llmopt.quant.spec import METHODS, build_spec
 
 
 def convert_to_hf(model: str | Path, output: str | Path, *, dtype: str = "float16", max_shard_size: str = "5GB",
@@ -58,40 +67,74 @@ def plan_gguf_file(model: str | Path, mix: str = "F16", *, imatrix: str | Path |
 
 def convert_to_gguf(model: str | Path, output: str | Path, mix: str = "F16", *, imatrix: str | Path | None = None,
                     tensor_types: Sequence[str] = (), output_tensor_type: str | None = None, force: bool = False,
-                    command: str | None = None, on_start: Callable[[int], None] | None = None,
-                    on_tensor: Callable[[PlannedTensor, float], None] | None = None) -> dict[str, Any]:  # fmt: skip
+                    command: str | None = None, method: str | None = None, calib: str | None = None,
+                    calib_field: str | None = None, nsamples: int = 128, seqlen: int = 512, seed: int = 0,
+                    calib_dtype: str = "auto", damp: float = 0.01, act_order: bool = False, static_groups: bool = False,
+                    group_aware: bool | None = None, gptaq: float = 0.0, clip: bool = True, batch_size: int = 8,
+                    device: str = "auto", on_start: Callable[[int], None] | None = None,
+                    on_tensor: Callable[[PlannedTensor, float], None] | None = None,
+                    on_block: Callable[[BlockResult, int], None] | None = None,
+                    on_calibration: Callable[[int, int], None] | None = None) -> dict[str, Any]:  # fmt: skip
     """Write `model` as a GGUF file of llama.cpp type or mix `mix` (F16, Q8_0, Q4_K_M, ...).
 
     `imatrix` is an importance-matrix file (llama.cpp GGUF or .dat); `tensor_types` are
     `REGEX=TYPE` overrides and `output_tensor_type` the type of output.weight, as llama-quantize's
     --tensor-type and --output-tensor-type. `command` is recorded in the file (`llmopt.command`).
-    `on_start(total_bytes)` and `on_tensor(planned, seconds)` follow the progress.
+    With `method` ("gptq", "awq", "awq+gptq") the block linears are not rounded by llama.cpp's
+    searches but by that method onto the same per-tensor types, calibrated on `calib` (as
+    `quantize`); the file has exactly the types and size of the mix (with an imatrix: a calibrated
+    method is an importance-weighted quantization). `on_start(total_bytes)`, `on_tensor(planned,
+    seconds)` and `on_block(result, blocks)` follow the progress.
     """
     check_output(Path(output), force)
     start = time.perf_counter()
+    if method is not None and method not in METHODS or method == "rtn":
+        raise OptionError(f"<method> {method!r}: GGUF files take gptq, awq or awq+gptq (or none: llama.cpp's rounding)")
+    dev = resolve_device(device)
     with open_model(model) as source:
-        plan, imat, _ = _plan(source, mix, imatrix, tensor_types, output_tensor_type, command)
+        plan, imat, _ = _plan(source, mix, imatrix, tensor_types, output_tensor_type, command, method is not None)
         if on_start is not None:
             on_start(plan.data_nbytes)
-        final = write_gguf(source, Path(output), plan, importance=None if imat is None else imat.importance(),
-                           force=True, on_tensor=on_tensor)  # fmt: skip
-    return {"output": str(final), "format": "gguf", "type": plan.mix, "tensors": len(plan.tensors),
-            "bytes": final.stat().st_size, "types": plan.types_count(), "imatrix": str(imatrix) if imatrix else None,
-            "seconds": round(time.perf_counter() - start, 3)}  # fmt: skip
+        importance = None if imat is None else imat.importance()
+        result = None
+        if method is None:
+            final = write_gguf(source, Path(output), plan, importance=importance, force=True, on_tensor=on_tensor)
+        else:
+            if not any(t.type_name in GRIDS for t in plan.tensors):
+                raise OptionError(f"<method> {method} rounds onto quantized types; {plan.mix} has none")
+            spec = build_spec(method, act_order=act_order, static_groups=static_groups, damp=damp, gptaq=gptaq,
+                              group_aware=group_aware, clip=clip, batch_size=batch_size,
+                              act_dtype=resolve_calib_dtype(calib_dtype, dev))  # fmt: skip
+            spec = dataclasses.replace(spec, grids=grids_for(plan))
+            cfg = CalibConfig(calib or SELF, calib_field, nsamples, seqlen, seed)
+            tokens, calib_info = calibrate(source, spec, cfg, dev, on_calibration)
+            plan.metadata["llmopt.method"] = json.dumps(provenance(spec, calib_info), sort_keys=True)
+            result = QuantizeResult(Path(output), spec, "gguf", calib_info, 0.0)
+            with GGUFWriter(source, Path(output), plan, importance=importance, computed=quantized_modules(source, spec),
+                            force=True, on_tensor=on_tensor) as writer:  # fmt: skip
+                feed(source, spec, tokens, dev, writer, result, on_block)
+                final = writer.finish()
+    summary = {"output": str(final), "format": "gguf", "type": plan.mix, "tensors": len(plan.tensors),
+               "bytes": final.stat().st_size, "types": plan.types_count(), "imatrix": str(imatrix) if imatrix else None,
+               "method": method, "seconds": round(time.perf_counter() - start, 3)}  # fmt: skip
+    if result is not None:
+        summary["calibration"] = result.calibration
+        summary["layers"] = [layer_row(r) for r in result.reports]
+    return summary
 
 
 def _plan(source: ModelSource, mix: str, imatrix: str | Path | None, tensor_types: Sequence[str],
-          output_tensor_type: str | None, command: str | None):  # noqa: ANN202
+          output_tensor_type: str | None, command: str | None, calibrated: bool = False):  # noqa: ANN202
     overrides = parse_overrides(tensor_types)
     imat = read_imatrix(Path(imatrix)) if imatrix is not None else None
-    provenance = Provenance(command=command)
+    prov = Provenance(command=command)
     if imat is not None:
-        provenance.imatrix_file = str(imatrix)
-        provenance.imatrix_datasets = imat.datasets
-        provenance.imatrix_entries = len(imat.sums)
-        provenance.imatrix_chunks = imat.chunk_count
+        prov.imatrix_file = str(imatrix)
+        prov.imatrix_datasets = imat.datasets
+        prov.imatrix_entries = len(imat.sums)
+        prov.imatrix_chunks = imat.chunk_count
     plan = plan_gguf(source, mix, overrides=overrides, output_tensor_type=output_tensor_type,
-                     has_imatrix=imat is not None, provenance=provenance)  # fmt: skip
+                     has_imatrix=imat is not None or calibrated, provenance=prov)  # fmt: skip
     params = sum(_numel(t.shape) for t in plan.tensors)
     summary = {"type": plan.mix,
                "tensors": [{"tensor": t.gguf_name, "shape": list(t.shape), "type": t.type_name, "bytes": t.nbytes}

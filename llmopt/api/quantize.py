@@ -1,9 +1,10 @@
-"""`quantize`: a model's linears quantized layer by layer (RTN or GPTQ), written as a checkpoint.
+"""`quantize`: a model's linears quantized layer by layer (RTN, GPTQ, AWQ, AWQ+GPTQ), written as a
+GPTQ or AWQ checkpoint (or dense).
 
 The path of one `llmopt quantize` through the layers: open the source (model/), build and check
-the spec (quant/spec.py, with the format's rules from formats/gptq.py), load calibration samples
-(calibration/), then iterate the pipeline (quant/pipeline.py) and hand each block to the writer
-(formats/gptq.py), which streams it to disk.
+the spec (quant/spec.py, with the format's rules from formats/checkpoint.py), load calibration
+samples (calibration/), then iterate the pipeline (quant/pipeline.py) and hand each block to the
+writer (formats/checkpoint.py), which streams it to disk.
 """
 
 from __future__ import annotations
@@ -14,16 +15,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from llmopt.calibration.samples import CalibConfig, load_calibration
 from llmopt.calibration.text import SELF
 from llmopt.device import resolve_calib_dtype, resolve_device
 from llmopt.errors import OptionError
 from llmopt.formats.atomic import check_output
-from llmopt.formats.gptq import CheckpointWriter, check_spec, zero_min
+from llmopt.formats.checkpoint import CheckpointWriter, check_spec, zero_min
 from llmopt.formats.hf import parse_size
-from llmopt.model import open_model
+from llmopt.model import ModelSource, open_model
 from llmopt.quant.pipeline import BlockResult, LayerReport, QuantizeSpec, quantize_model
-from llmopt.quant.spec import build_spec, check_shapes
+from llmopt.quant.spec import build_spec, check_shapes, default_sym
 
 
 @dataclass
@@ -59,7 +62,7 @@ def quantize(
     method: str = "gptq",
     bits: int = 4,
     group_size: int = 128,
-    sym: bool = True,
+    sym: bool | None = None,
     act_order: bool = False,
     group_aware: bool | None = None,
     static_groups: bool = False,
@@ -67,13 +70,14 @@ def quantize(
     mse: bool = False,
     refit_scales: bool = False,
     gptaq: float = 0.0,
+    clip: bool = True,
     calib: str | None = None,
     calib_field: str | None = None,
     nsamples: int = 128,
     seqlen: int = 512,
     seed: int = 0,
     calib_dtype: str = "auto",
-    fmt: str = "gptq",
+    fmt: str | None = None,
     quantize_head: bool = False,
     batch_size: int = 8,
     max_shard_size: str = "5GB",
@@ -84,9 +88,11 @@ def quantize(
 ) -> QuantizeResult:
     """Quantize `model` (an HF directory, GGUF file or hub id) and write it to `output`.
 
-    `method` is "gptq" (calibrated) or "rtn" (no data); `fmt` "gptq" (a packed checkpoint that
-    transformers, vLLM and GPTQModel load) or "dense" (dequantized float16). Calibration text is
-    `calib` (a .txt/.jsonl/.parquet file, a preset, or "self": written by the model, the default).
+    `method` is "gptq", "awq", "awq+gptq" (calibrated) or "rtn" (no data); `fmt` "gptq" or "awq"
+    (packed checkpoints that transformers, vLLM and GPTQModel load; the method's own by default) or
+    "dense" (dequantized float16). `sym=None` is the method's default (asymmetric for AWQ).
+    Calibration text is `calib` (a .txt/.jsonl/.parquet file, a preset, or "self": written by the
+    model, the default).
     `on_block(result, blocks)` sees each block's result as it is written (`blocks`: how many there
     are, the head included); `on_calibration(done, total)` follows the generation of self-written
     samples.
@@ -96,34 +102,53 @@ def quantize(
     check_output(Path(output), force, directory=True)
     calibrated = method != "rtn"
     if not calibrated and calib_dtype != "auto":
-        raise OptionError("<calib_dtype> applies to <method> gptq; rtn runs no calibration forward")
+        raise OptionError("<calib_dtype> applies to calibrated methods; rtn runs no calibration forward")
     if not calibrated and calib is not None:
-        raise OptionError("<calib> applies to <method> gptq; rtn needs no data")
+        raise OptionError("<calib> applies to calibrated methods; rtn needs no data")
+    fmt = fmt or ("awq" if method.startswith("awq") else "gptq")
+    sym = default_sym(method) if sym is None else sym
     spec = build_spec(method, bits, group_size, sym, act_order=act_order, static_groups=static_groups, damp=damp,
-                      mse=mse, refit_scales=refit_scales, gptaq=gptaq, group_aware=group_aware,
+                      mse=mse, refit_scales=refit_scales, gptaq=gptaq, group_aware=group_aware, clip=clip,
                       quantize_head=quantize_head, batch_size=batch_size, act_dtype=resolve_calib_dtype(calib_dtype, dev),
                       zero_min=zero_min(fmt, sym))  # fmt: skip
     check_spec(spec, fmt)
     start = time.perf_counter()
     with open_model(model) as source:
         check_shapes(source, spec)
-        tokens, calib_info = None, None
-        if calibrated:
-            cfg = CalibConfig(calib or SELF, calib_field, nsamples, seqlen, seed)
-            tokens, calib_info = load_calibration(source, cfg, dev, spec.act_dtype, on_calibration)
-        built = spec.method.build()
-        provenance: dict[str, Any] = {"method": built.name, "calibration": calib_info}
-        if built.calibrated:
-            provenance[built.name] = {**built.provenance(), "calib_dtype": str(spec.act_dtype).removeprefix("torch.")}
+        calibration = CalibConfig(calib or SELF, calib_field, nsamples, seqlen, seed) if calibrated else None
+        tokens, calib_info = calibrate(source, spec, calibration, dev, on_calibration)
         result = QuantizeResult(Path(output), spec, fmt, calib_info, 0.0)
-        blocks = source.arch.num_layers + (1 if quantize_head else 0)
-        with CheckpointWriter(source, spec, Path(output), fmt, provenance, force, shard_bytes) as writer:
-            for block in quantize_model(source, spec, tokens, dev):
-                writer.add(block)
-                result.reports.extend(block.reports)
-                result.block_seconds.append((block.layer, block.seconds))
-                if on_block is not None:
-                    on_block(block, blocks)
+        with CheckpointWriter(source, spec, Path(output), fmt, provenance(spec, calib_info), force, shard_bytes) as writer:
+            feed(source, spec, tokens, dev, writer, result, on_block)
             result.output = writer.finish()
     result.seconds = time.perf_counter() - start
     return result
+
+
+def calibrate(source: ModelSource, spec: QuantizeSpec, cfg: CalibConfig | None, device: torch.device,
+              on_step: Callable[[int, int], None] | None = None) -> tuple[torch.Tensor | None, dict[str, Any] | None]:  # fmt: skip
+    """The calibration tokens a calibrated method needs (None for RTN), and what to record about them."""
+    if cfg is None or not spec.method.build().calibrated:
+        return None, None
+    return load_calibration(source, cfg, device, spec.act_dtype, on_step)
+
+
+def provenance(spec: QuantizeSpec, calib_info: dict[str, Any] | None) -> dict[str, Any]:
+    """What a file records about how it was quantized: the method, its options, the calibration."""
+    built = spec.method.build()
+    out: dict[str, Any] = {"method": built.name, "calibration": calib_info}
+    if built.calibrated:
+        out[built.name] = {**built.provenance(), "calib_dtype": str(spec.act_dtype).removeprefix("torch.")}
+    return out
+
+
+def feed(source: ModelSource, spec: QuantizeSpec, tokens: torch.Tensor | None, device: torch.device, writer: Any,
+         result: QuantizeResult, on_block: Callable[[BlockResult, int], None] | None) -> None:  # fmt: skip
+    """Run the pipeline and hand every block to `writer` (a sink), keeping the reports in `result`."""
+    blocks = source.arch.num_layers + (1 if spec.quantize_head else 0)
+    for block in quantize_model(source, spec, tokens, device):
+        writer.add(block)
+        result.reports.extend(block.reports)
+        result.block_seconds.append((block.layer, block.seconds))
+        if on_block is not None:
+            on_block(block, blocks)

@@ -18,6 +18,8 @@ from rich.table import Table
 
 from llmopt.api.convert import convert_to_gguf, convert_to_hf, plan_gguf_file
 from llmopt.cli.common import DeviceOpt, ForceOpt, ShardSizeOpt, JsonOpt, VerboseOpt, emit_json, err, human_bytes, out, settings
+from llmopt.cli.options import (ActOrderOpt, BatchSizeOpt, CalibDtypeOpt, CalibFieldOpt, CalibOpt, ClipOpt, DampOpt,
+                                GptaqOpt, GroupAwareOpt, NSamplesOpt, SeedOpt, SeqlenOpt, StaticGroupsOpt)
 from llmopt.errors import OptionError
 from llmopt.formats.gguf.mixes import MIXES
 from llmopt.formats.hf import DTYPES
@@ -42,6 +44,20 @@ def convert_command(
     tensor_type: Annotated[Optional[list[str]], typer.Option("--tensor-type", help="REGEX=TYPE override (repeatable).")] = None,
     output_tensor_type: Annotated[Optional[str], typer.Option("--output-tensor-type", help="Type of output.weight.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="GGUF: print the per-tensor plan and exact size only.")] = False,
+    method: Annotated[Optional[str], typer.Option("--method", help="GGUF: round the block linears with gptq, awq or awq+gptq (calibrated) onto the mix's types instead of llama.cpp's searches.", show_default=False)] = None,
+    calib: CalibOpt = None,
+    calib_field: CalibFieldOpt = None,
+    nsamples: NSamplesOpt = 128,
+    seqlen: SeqlenOpt = 512,
+    seed: SeedOpt = 0,
+    calib_dtype: CalibDtypeOpt = "auto",
+    damp: DampOpt = 0.01,
+    act_order: ActOrderOpt = False,
+    static_groups: StaticGroupsOpt = False,
+    group_aware: GroupAwareOpt = None,
+    gptaq: GptaqOpt = 0.0,
+    clip: ClipOpt = True,
+    batch_size: BatchSizeOpt = 8,
     max_shard_size: ShardSizeOpt = "5GB",
     force: ForceOpt = False,
     json_out: JsonOpt = False,
@@ -50,10 +66,17 @@ def convert_command(
 ) -> None:
     """Convert a model: GGUF -> HF safetensors, or HF/GGUF -> GGUF of any llama.cpp type or mix."""
     opts = settings(ctx, json_out, device, verbose)
+    method_options = dict(method=method, calib=calib, calib_field=calib_field, nsamples=nsamples, seqlen=seqlen,
+                          seed=seed, calib_dtype=calib_dtype, damp=damp, act_order=act_order,
+                          static_groups=static_groups, group_aware=group_aware, gptaq=gptaq, clip=clip,
+                          batch_size=batch_size)  # fmt: skip
     if to is Target.gguf:
         _to_gguf(model, output, gguf_type, imatrix=imatrix, tensor_types=tensor_type or [],
-                 output_tensor_type=output_tensor_type, dry_run=dry_run, force=force, as_json=opts.json)
+                 output_tensor_type=output_tensor_type, dry_run=dry_run, force=force, as_json=opts.json,
+                 device=opts.device, method_options=method_options)
         return
+    if method is not None:
+        raise OptionError("<method> applies to <to> gguf (a quantized HF checkpoint is `llmopt quantize`)")
     if output is None:
         raise OptionError("<to> hf needs <output> DIR")
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -70,8 +93,9 @@ def convert_command(
 
 
 def _to_gguf(model: str, output: Path | None, mix: str, *, imatrix: Path | None, tensor_types: list[str],
-             output_tensor_type: str | None, dry_run: bool, force: bool, as_json: bool) -> None:  # fmt: skip
-    """Plan, then (unless --dry-run) write a GGUF of `model` under `mix`."""
+             output_tensor_type: str | None, dry_run: bool, force: bool, as_json: bool, device: str,
+             method_options: dict) -> None:  # fmt: skip
+    """Plan, then (unless --dry-run) write a GGUF of `model` under `mix` (with a method: calibrated)."""
     command = shlex.join(["llmopt", *(a for a in sys.argv[1:] if a != "--dry-run")])
     if dry_run:
         plan, summary = plan_gguf_file(model, mix, imatrix=imatrix, tensor_types=tensor_types,
@@ -88,8 +112,9 @@ def _to_gguf(model: str, output: Path | None, mix: str, *, imatrix: Path | None,
             progress.update(task, advance=planned.nbytes, description=f"{planned.gguf_name} {planned.type_name}")
 
         result = convert_to_gguf(model, output, mix, imatrix=imatrix, tensor_types=tensor_types,
-                                 output_tensor_type=output_tensor_type, force=force, command=command,
-                                 on_start=lambda total: progress.update(task, total=total), on_tensor=on_tensor)  # fmt: skip
+                                 output_tensor_type=output_tensor_type, force=force, command=command, device=device,
+                                 on_start=lambda total: progress.update(task, total=total), on_tensor=on_tensor,
+                                 **method_options)  # fmt: skip
     if as_json:
         emit_json(result)
     else:

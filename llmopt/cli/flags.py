@@ -13,6 +13,7 @@ FLAGS = {
     "tensor_types": "--tensor-type",
     "output": "-o/--output",
     "max_tokens": "--max-tokens",
+    "clip": "--no-clip",  # the only flag that changes it
 }
 
 

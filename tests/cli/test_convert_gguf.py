@@ -44,6 +44,10 @@ def test_dry_run_table(llmopt_here, wide_hf: Path) -> None:  # noqa: F811
     (["--type", "Q4_K_M", "--tensor-type", "attn_v=Q9_9", "--dry-run"], "unknown GGML type"),
     (["--type", "Q4_K_M"], "--output"),
     (["--type", "Q4_K_M", "--imatrix", "/nonexistent/im.gguf", "--dry-run"], "no such file"),
+    (["--type", "Q4_K_M", "--method", "rtn", "-o", "/tmp/never.gguf"], "GGUF files take gptq, awq or awq+gptq"),
+    (["--type", "F16", "--method", "gptq", "-o", "/tmp/never.gguf"], "rounds onto quantized types; F16 has none"),
+    (["--type", "Q4_K_M", "--method", "gptq", "--act-order", "-o", "/tmp/never.gguf", "--nsamples", "2",
+      "--seqlen", "16"], "--act-order onto Q4_K needs --static-groups"),
 ])
 def test_bad_input_is_one_line_exit_2(llmopt_here, wide_hf: Path, args: list[str], message: str) -> None:  # noqa: F811
     res = llmopt_here("convert", wide_hf, "--to", "gguf", *args)
@@ -80,3 +84,43 @@ def test_imatrix_then_convert_with_it(llmopt_here, wide_hf: Path, tmp_path: Path
     unweighted = {t.name: bytes(t.data) for t in gguf.GGUFReader(str(plain)).tensors}
     assert weighted["blk.0.ffn_down.weight"] != unweighted["blk.0.ffn_down.weight"]  # the imatrix was used
     assert weighted["output.weight"] == unweighted["output.weight"]  # no entry for it: plain quantization
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "awq+gptq"])
+def test_calibrated_methods_write_the_mix_that_llama_cpp_runs(llmopt_here, wide_hf: Path, tmp_path: Path,
+                                                             method: str) -> None:  # noqa: F811
+    """`--method` rounds the block linears itself: the file has the plan's types and size, the codes
+    read back through gguf's dequantize as the pipeline made them (AWQ's folded norms too), and
+    llama.cpp loads it and generates."""
+    from llama_cpp import Llama
+
+    from llmopt.model import open_model
+    from tests.factories import CORPUS
+
+    calib = tmp_path / "c.txt"
+    calib.write_text(CORPUS)
+    base = ["convert", wide_hf, "--to", "gguf", "--type", "Q4_K_M"]
+    plan = json.loads(llmopt_here(*base, "--dry-run", "--json").stdout)
+    out = tmp_path / f"{method}.gguf"
+    done = llmopt_here(*base, "-o", out, "--method", method, "--calib", calib, "--nsamples", "4", "--seqlen", "64", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["method"] == method and len(result["layers"]) == 14
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
+    assert types == {t["tensor"]: t["type"] for t in plan["tensors"]}
+    assert abs(out.stat().st_size - plan["file_bytes"]) < 4096  # the same tensors; the header records the method
+    with open_model(out) as q, open_model(wide_hf) as src:
+        norm = "model.layers.0.input_layernorm.weight"
+        moved = (q.load(norm) - src.load(norm).half().float()).abs().max()
+        assert (moved > 1e-3) == method.startswith("awq")  # AWQ folded its scales into the norm
+        for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+            assert (q.load(name) - src.load(name)).abs().max() < 0.5 * src.load(name).abs().max()
+    llm = Llama(model_path=str(out), n_ctx=64, verbose=False, n_threads=2)
+    text = llm("The quick brown fox", max_tokens=8, temperature=0)["choices"][0]["text"]
+    assert isinstance(text, str) and llm.n_tokens > 4
+
+
+def test_method_applies_to_gguf_only(llmopt_here, wide_hf: Path, tmp_path: Path) -> None:  # noqa: F811
+    res = llmopt_here("convert", wide_hf, "--to", "hf", "-o", tmp_path / "hf", "--method", "gptq")
+    assert res.returncode == 2 and "--method applies to --to gguf" in res.stderr, res.stderr
+    assert not (tmp_path / "hf").exists()

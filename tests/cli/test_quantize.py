@@ -82,7 +82,14 @@ def test_gptaq_and_refit_scales_are_recorded(llmopt_here, tiny_models, tmp_path)
     (["--gptaq", "1.5"], "--gptaq 1.5: choose a strength in [0, 1]"),
     (["--device", "tpu"], "bad --device"),
     (["--calib-dtype", "int8"], "bad --calib-dtype 'int8'"),
-    (["--method", "rtn", "--calib-dtype", "bfloat16"], "--calib-dtype applies to --method gptq"),
+    (["--method", "rtn", "--calib-dtype", "bfloat16"], "--calib-dtype applies to calibrated methods"),
+    (["--method", "awq", "--act-order"], "--act-order, --group-aware-order, --static-groups, --refit-scales and "
+                                         "--gptaq apply to --method gptq and awq+gptq"),
+    (["--method", "awq", "--bits", "5", "--format", "awq"], "--bits 5: AWQ checkpoints hold 4 bits"),
+    (["--method", "awq", "--bits", "3"], "--bits 3: AWQ checkpoints hold 4 bits"),  # the awq format by default
+    (["--method", "awq+gptq", "--act-order"], "--act-order needs --static-groups in AWQ checkpoints"),
+    (["--method", "gptq", "--no-clip"], "--no-clip (AWQ's clipping search) applies to --method awq"),
+    (["--method", "awq", "--format", "gguf"], "--format"),
 ])
 def test_bad_input(llmopt_here, tiny_models, tmp_path, args, expect) -> None:
     empty = tmp_path / "empty.txt"
@@ -118,3 +125,21 @@ def test_group_aware_order_is_the_default_with_groups(kwargs, expect) -> None:
 
     spec = build_spec("gptq", **kwargs)
     assert isinstance(spec.method, GPTQConfig) and spec.method.group_aware is expect
+
+
+def test_awq_refuses_a_stage_without_a_foldable_producer(llmopt_here, tiny_models, tmp_path, monkeypatch) -> None:
+    """A family whose stage table names a producer AWQ cannot fold into: one line naming the module."""
+    import dataclasses
+
+    import llmopt.model.families as families
+    from llmopt.model.families.base import LLAMA_STAGES, Stage
+
+    odd = dataclasses.replace(families.LLAMA, stages=(Stage(LLAMA_STAGES[0].linears, "self_attn", "self_attn"),
+                                                      *LLAMA_STAGES[1:]))
+    monkeypatch.setattr(families, "FAMILIES", (odd, *families.FAMILIES[1:]))
+    calib = tmp_path / "c.txt"
+    calib.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    r = llmopt_here("quantize", tiny_models("llama"), "--method", "awq", "--group-size", "32", "--calib", calib,
+                    "--nsamples", "2", "--seqlen", "16", "-o", tmp_path / "out")
+    assert_clean_failure(r, "model.layers.0.self_attn: AWQ cannot fold its scales into this module")
+    assert not list(tmp_path.glob("*out*"))

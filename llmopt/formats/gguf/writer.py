@@ -13,6 +13,7 @@ re-rounding; the rest still come from the source. `write_gguf` is the plain conv
 from __future__ import annotations
 
 import itertools
+import re
 import struct
 import tempfile
 import time
@@ -42,6 +43,7 @@ from llmopt.quant.pipeline import BlockResult
 from llmopt.quantized_tensor import QuantizedTensor
 
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION: the block layouts written here
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -134,7 +136,9 @@ class GGUFWriter:
 
     Every tensor comes from the source, quantized on its planned grid, unless it is one of
     `computed` (HF module names): those wait for the pipeline's result, handed in with `add`, and
-    are packed from the codes it holds. `finish()` writes what is left and moves the file into place.
+    are packed from the codes it holds. With a pipeline feeding it, a block's other tensors wait for
+    the block too: a method may have changed them (AWQ's norms, in `BlockResult.updated`).
+    `finish()` writes what is left and moves the file into place.
     """
 
     def __init__(self, source: ModelSource, output: Path, plan: GgufPlan, *,
@@ -143,6 +147,8 @@ class GGUFWriter:
         self.source, self.plan, self.importance, self.on_tensor = source, plan, importance, on_tensor
         self.computed = set(computed)
         self.held: dict[str, QuantizedTensor] = {}
+        self.updated: dict[str, torch.Tensor] = {}
+        self.layers_added: set[int] = set()
         self.next = 0
         self.out = AtomicFile(Path(output), force)
         self.file = open(self.out.tmp, "wb")
@@ -153,22 +159,36 @@ class GGUFWriter:
     def add(self, block: BlockResult) -> None:
         """Take one block's results; write every tensor whose turn has come."""
         self.held.update(block.tensors)
+        self.updated.update(block.updated)
+        self.layers_added.add(block.layer)
         self._write_ready()
 
-    def _write_ready(self) -> None:
+    def _ready(self, planned: PlannedTensor) -> bool:
+        if not self.computed or planned.hf_name is None:
+            return True
+        module = planned.hf_name.removesuffix(".weight")
+        if module in self.computed:
+            return module in self.held
+        m = _HF_LAYER.match(planned.hf_name)
+        return m is None or int(m.group(1)) in self.layers_added
+
+    def _write_ready(self, final: bool = False) -> None:
         f = self.file
         while self.next < len(self.plan.tensors):
             planned = self.plan.tensors[self.next]
-            module = planned.hf_name.removesuffix(".weight") if planned.hf_name else None
-            if module in self.computed and module not in self.held:
+            if not final and not self._ready(planned):
                 return  # its block has not been added yet
+            module = planned.hf_name.removesuffix(".weight") if planned.hf_name else None
             start = time.perf_counter()
             if module in self.computed:
+                if module not in self.held:
+                    raise RuntimeError(f"{planned.gguf_name}: the pipeline produced no result for it")
                 data = encode_computed(self.source, planned, self.held.pop(module))
             else:
                 importance = None if self.importance is None else self.importance.get(planned.gguf_name)
+                weight = self.updated.pop(planned.hf_name, None) if planned.hf_name else None
                 with single_threaded_ops():  # small ops: threads inside each op cost more than they gain
-                    data = encode_tensor(self.source, planned, importance)
+                    data = encode_tensor(self.source, planned, importance, weight)
             if data.nbytes != planned.nbytes:
                 raise InputError(f"{planned.gguf_name}: encoded {data.nbytes} bytes, planned {planned.nbytes}")
             f.write(bytes(_pad(f.tell(), self.plan.alignment) - f.tell()))
@@ -179,9 +199,7 @@ class GGUFWriter:
                 self.on_tensor(planned, time.perf_counter() - start)
 
     def finish(self) -> Path:
-        self._write_ready()
-        if self.next < len(self.plan.tensors):
-            raise RuntimeError(f"{self.plan.tensors[self.next].gguf_name}: the pipeline produced no result for it")
+        self._write_ready(final=True)
         self.file.write(bytes(_pad(self.file.tell(), self.plan.alignment) - self.file.tell()))
         self.file.close()
         self.path = self.out.commit()
@@ -226,10 +244,14 @@ def write_gguf(
         return writer.finish()
 
 
-def encode_tensor(source: ModelSource, planned: PlannedTensor, importance: torch.Tensor | None = None) -> np.ndarray:
-    """One tensor's bytes in its planned type: loaded, permuted for llama.cpp, quantized and packed."""
+def encode_tensor(source: ModelSource, planned: PlannedTensor, importance: torch.Tensor | None = None,
+                  weight: torch.Tensor | None = None) -> np.ndarray:  # fmt: skip
+    """One tensor's bytes in its planned type: loaded (or `weight`, where a method changed it),
+    permuted for llama.cpp, quantized and packed."""
     if planned.hf_name is None:
         return llama3_factors(source.arch).numpy()
+    if weight is not None:
+        return _encode(source, planned, weight.to(torch.float32), importance)
     raw = source.load(planned.hf_name, None)
     try:
         return _encode(source, planned, raw.to(torch.float32) if raw.is_floating_point() else raw, importance)

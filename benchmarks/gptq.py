@@ -20,18 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.proc_status import status_kib  # noqa: E402
-DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
+from benchmarks.quality import llmopt_row, perplexity, print_tables, run_gptqmodel, run_llmopt, source_model  # noqa: E402
 
 # name -> llmopt quantize options
 CONFIGS: dict[str, list[str]] = {
@@ -74,65 +69,6 @@ CONFIGS: dict[str, list[str]] = {
 DEFAULT = ["rtn-w4-g128-sym", "rtn-w4-g128-asym", "rtn-w3-g128-sym", "gptq-w4-g128-sym-gar", "gptq-w3-g128-sym-gar",
            "gptq-w4-g128-sym-gar-mse", "gptq-w3-g128-sym-gar-mse", "gptq-w4-g128-asym-act-mse-refit"]
 
-GPTQMODEL_SNIPPET = r"""
-import sys, time, json, random
-import torch
-from gptqmodel import GPTQModel, QuantizeConfig
-src, out, bits, calib, nsamples, seqlen, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
-from tokenizers import Tokenizer
-tok = Tokenizer.from_file(f"{src}/tokenizer.json")
-ids = tok.encode(open(calib).read()).ids
-g = torch.Generator().manual_seed(seed)
-starts = torch.randint(0, len(ids) - seqlen + 1, (nsamples,), generator=g).tolist()
-data = [{"input_ids": ids[s:s + seqlen], "attention_mask": [1] * seqlen} for s in starts]
-t = time.time()
-model = GPTQModel.load(src, QuantizeConfig(bits=bits, group_size=128), device="cpu")
-model.quantize(data, batch_size=1)
-model.save(out)
-print(json.dumps({"seconds": time.time() - t}))
-"""
-
-
-def perplexity(model_dir: str, ctx: int = 512, windows: int = 40) -> float:
-    """The project's definition (llmopt.eval.perplexity): non-overlapping windows of test.txt."""
-    import torch
-
-    from llmopt.eval.perplexity import evaluate, token_windows
-    from llmopt.model import open_model
-    from llmopt.model.decoder import Decoder
-
-    with open_model(model_dir) as src:
-        ids = src.tokenizer().encode((DATA / "test.txt").read_text())
-        model = Decoder.from_source(src, torch.float32)
-    return evaluate(model, token_windows(ids, ctx, windows)).perplexity
-
-
-def run_llmopt(src: str, out: str, options: list[str], nsamples: int, seqlen: int, seed: int) -> dict:
-    cmd = [sys.executable, "-m", "llmopt.cli.app", "--json", "quantize", src, "-o", out, "--force",
-           "--nsamples", str(nsamples), "--seqlen", str(seqlen), "--seed", str(seed), *options]
-    if "gptq" in options and "--calib" not in options:
-        cmd += ["--calib", str(DATA / "valid.txt")]
-    return _timed(cmd)
-
-
-def _timed(cmd: list[str]) -> dict:
-    """Run `cmd`; its wall time, stdout and peak RSS (VmHWM polled from /proc: the kernel's ru_maxrss
-    for a child also counts the parent's RSS at fork time, and this parent holds a model)."""
-    start = time.perf_counter()
-    env = {**os.environ, "GPTQMODEL_CPU_WORKERS": "2"}  # gptqmodel's default (cores/2) is refused on 2 cores
-    with tempfile.TemporaryFile("w+") as log, tempfile.TemporaryFile("w+") as stdout:
-        proc = subprocess.Popen(cmd, stdout=stdout, stderr=log, text=True, cwd=ROOT, env=env)
-        peak_kib = 0
-        while proc.poll() is None:
-            peak_kib = max(peak_kib, status_kib(proc.pid).get("VmHWM", 0))
-            time.sleep(0.1)
-        if proc.returncode != 0:
-            log.seek(0)
-            sys.exit(f"{' '.join(cmd[:6])} failed:\n{log.read()[-3000:]}")
-        stdout.seek(0)
-        return {"seconds": round(time.perf_counter() - start, 1), "peak_rss_mib": round(peak_kib / 1024), "stdout": stdout.read()}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="*", default=DEFAULT, choices=sorted(CONFIGS))
@@ -144,14 +80,9 @@ def main() -> None:
     ap.add_argument("--gptqmodel-python", help="A python with gptqmodel installed: run its GPTQ w4/w3 g128 too.")
     ap.add_argument("--gptqmodel-bits", nargs="*", type=int, default=[4, 3])
     args = ap.parse_args()
-    from llmopt.model.embedded import smollm2_gguf
-
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    src = work / "smollm2-f16"
-    if not (src / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "llmopt.cli.app", "convert", str(smollm2_gguf()), "--to", "hf", "-o", str(src),
-                        "--force"], check=True, cwd=ROOT)
+    src = source_model(work)
     rows = []
     if args.fp16:
         rows.append({"config": "fp16", "ppl": round(perplexity(str(src)), 2)})
@@ -161,45 +92,18 @@ def main() -> None:
         for name in args.configs:
             out = work / f"{name}{suffix}"
             r = run_llmopt(str(src), str(out), CONFIGS[name], args.nsamples, args.seqlen, seed)
-            result = json.loads(r.pop("stdout"))
-            per_layer = [b["seconds"] for b in result["blocks"]]
-            rows.append({"config": f"llmopt {name}", "seed": seed, "ppl": round(perplexity(str(out)), 2),
-                         "seconds": r["seconds"], "s_per_layer": round(sum(per_layer) / len(per_layer), 2),
-                         "peak_rss_mib": r["peak_rss_mib"]})
+            rows.append(llmopt_row(f"llmopt {name}", seed, out, r))
             print(json.dumps(rows[-1]), flush=True)
         for bits in args.gptqmodel_bits if args.gptqmodel_python else []:
             out = work / f"gptqmodel-w{bits}-g128{suffix}"
-            cmd = [args.gptqmodel_python, "-c", GPTQMODEL_SNIPPET, str(src), str(out), str(bits), str(DATA / "valid.txt"),
-                   str(args.nsamples), str(args.seqlen), str(seed)]
             if out.exists():
                 shutil.rmtree(out)
-            r = _timed(cmd)
+            r = run_gptqmodel(args.gptqmodel_python, str(src), str(out), "gptq", bits, "default", args.nsamples,
+                              args.seqlen, seed)  # fmt: skip
             rows.append({"config": f"gptqmodel w{bits} g128 sym", "seed": seed, "ppl": round(perplexity(str(out)), 2),
                          "seconds": r["seconds"], "peak_rss_mib": r["peak_rss_mib"]})
             print(json.dumps(rows[-1]), flush=True)
-    print()
-    print(f"{'config':44} {'seed':>4} {'ppl':>8} {'seconds':>9} {'s/layer':>8} {'RSS MiB':>8}")
-    for r in rows:
-        print(f"{r['config']:44} {r.get('seed', ''):>4} {r['ppl']:8.2f} {r.get('seconds', ''):>9} {r.get('s_per_layer', ''):>8} "
-              f"{r.get('peak_rss_mib', ''):>8}")
-    means = seed_means(rows) if len(args.seeds) > 1 else []
-    if means:
-        print(f"\n{'config':44} {'seeds':>5} {'mean ppl':>9} {'min':>7} {'max':>7} {'mean s':>8}")
-        for m in means:
-            print(f"{m['config']:44} {m['seeds']:5d} {m['mean_ppl']:9.2f} {m['min_ppl']:7.2f} {m['max_ppl']:7.2f} {m['mean_seconds']:8.1f}")
-    print(json.dumps({"benchmark": "gptq", "nsamples": args.nsamples, "seqlen": args.seqlen, "seeds": args.seeds,
-                      "rows": rows, "means": means}))
-
-
-def seed_means(rows: list[dict]) -> list[dict]:
-    """Per config over its seeds: mean, min and max perplexity, and mean wall time."""
-    by_config: dict[str, list[dict]] = {}
-    for r in rows:
-        if "seed" in r:
-            by_config.setdefault(r["config"], []).append(r)
-    return [{"config": c, "seeds": len(rs), "mean_ppl": round(sum(r["ppl"] for r in rs) / len(rs), 2),
-             "min_ppl": min(r["ppl"] for r in rs), "max_ppl": max(r["ppl"] for r in rs),
-             "mean_seconds": round(sum(r["seconds"] for r in rs) / len(rs), 1)} for c, rs in by_config.items()]
+    print_tables(rows, args.seeds, "gptq", {"nsamples": args.nsamples, "seqlen": args.seqlen})
 
 
 if __name__ == "__main__":

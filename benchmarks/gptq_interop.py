@@ -49,9 +49,10 @@ import sys, json, torch
 from gptqmodel import GPTQModel, BACKEND
 from safetensors.torch import save_file
 path, out, ids = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+backend = BACKEND[sys.argv[4]] if len(sys.argv) > 4 else BACKEND.TORCH
 # its torch kernel is built for float16; the checkpoint's scales are float16 values, so casting
 # the loaded model to float32 loses nothing and gives float32 compute
-model = GPTQModel.load(path, device="cpu", backend=BACKEND.TORCH, dtype=torch.float16)
+model = GPTQModel.load(path, device="cpu", backend=backend, dtype=torch.float16)
 model.model.to(torch.float32)
 weights = {}
 for name, m in model.model.named_modules():

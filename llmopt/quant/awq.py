@@ -26,6 +26,7 @@ weighs columns by the scaled H's diagonal, as an imatrix.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -84,10 +85,11 @@ class ActivationStats(HessianAccumulator):
 
 @functools.cache
 def search_grid(grid: Grid) -> Grid:
-    """The grid the searches round onto: the target itself when it is the integer grid, else an
-    integer grid of a GGUF type's bits, symmetry and sub-block size (its reference search is slow)."""
+    """The grid the searches round onto: the integer grid without its own clipping search (AWQ's
+    clip search replaces it, and it would cost its 80 candidates inside each of AWQ's 30), or for a
+    GGUF type an integer grid of its bits, symmetry and sub-block size (its reference search is slow)."""
     if isinstance(grid, IntGrid):
-        return grid
+        return dataclasses.replace(grid, mse=False)
     probe = grid.quantize(torch.linspace(-1, 1, grid.block).view(1, -1))
     return IntGrid(grid.bits, probe.mins is None, probe.group_size)
 

@@ -5,6 +5,7 @@ Exit codes: 0 success, 1 a quality gate or check failed, 2 bad input or usage, 3
 
 from __future__ import annotations
 
+import signal
 import sys
 import traceback
 from typing import Annotated, Optional
@@ -58,7 +59,22 @@ def root(
     ctx.obj = Settings(json=json_out, device=device or "auto", verbose=verbose)
 
 
+class Terminated(BaseException):
+    """SIGTERM (a CI timeout, `kill`), raised like Ctrl-C so temporary outputs are discarded on the way out."""
+
+
+_terminating = False
+
+
+def _terminate(signum, frame) -> None:
+    global _terminating
+    _terminating = True  # torch may turn the exception below into its own error on the way out
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the process's own entry point (not an in-process call): own SIGTERM too
+        signal.signal(signal.SIGTERM, _terminate)
     argv = sys.argv[1:] if argv is None else argv
     verbose = any(a in ("-v", "-vv", "--verbose") for a in argv)
     try:
@@ -79,7 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         err.print("interrupted")
         return 130
+    except Terminated:
+        err.print("terminated")
+        return 143
     except Exception as e:  # a bug: one line by default, the traceback with -v
+        if _terminating:
+            err.print("terminated")
+            return 143
         if verbose:
             traceback.print_exc()
         err.print(f"[bold red]internal error:[/] {escape(f'{type(e).__name__}: {e}')} (run with -v for the traceback)", markup=True, soft_wrap=True)

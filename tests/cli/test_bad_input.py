@@ -2,8 +2,11 @@
 
 import json
 import struct
+from pathlib import Path
 
 import pytest
+
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext-2"
 
 
 def assert_clean_failure(result, expect: str, code: int = 2):
@@ -98,3 +101,28 @@ def test_imatrix_bad_input(llmopt_cli, tiny_models, tmp_path, make_args, expect)
     result = llmopt_cli(*make_args(tiny_models("llama"), tmp_path))
     assert_clean_failure(result, expect)
     assert not (tmp_path / "im.gguf").exists() and not list(tmp_path.glob(".im.gguf*"))
+
+
+def test_sigterm_mid_quantize_leaves_no_output(tiny_models, tmp_path) -> None:
+    """A CI timeout or `kill` stops `quantize` like Ctrl-C: exit 143, its temporary folder removed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "llmopt.cli.app", "quantize", str(tiny_models("llama")), "--method", "gptq",
+           "--group-size", "32", "--calib", str(DATA / "valid.txt"), "--nsamples", "512", "--seqlen", "128", "-o", str(out)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not any(p.name.startswith(".out.tmp") for p in tmp_path.iterdir()):
+        assert proc.poll() is None, f"quantize ended before its temporary folder was seen: {proc.stderr.read()}"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr
+    assert "terminated" in stderr
+    assert list(tmp_path.iterdir()) == []

@@ -17,6 +17,8 @@ Usage: .venv/bin/python benchmarks/awq_interop.py --gptqmodel-python /tmp/gqvenv
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import sys
 import tempfile
@@ -83,8 +85,9 @@ def main() -> None:
     # 2. llmopt writes, gptqmodel reads
     for sym in ("--asym", "--sym"):
         out = work / f"ours-awq{sym}"
-        code = llmopt_main(["--json", "quantize", str(src), "-o", str(out), "--method", "awq", "--group-size", str(group),
-                            sym, "--calib", str(work / "calib.txt"), "--nsamples", "16", "--seqlen", "64"])
+        with contextlib.redirect_stdout(io.StringIO()):  # its --json result: this script prints its own rows
+            code = llmopt_main(["--json", "quantize", str(src), "-o", str(out), "--method", "awq", "--group-size",
+                                str(group), sym, "--calib", str(work / "calib.txt"), "--nsamples", "16", "--seqlen", "64"])
         assert code == 0
         dump = work / f"{out.name}.safetensors"
         run(args.gptqmodel_python, DUMP_SNIPPET, str(out), str(dump), json.dumps(probe), "AWQ_TORCH")

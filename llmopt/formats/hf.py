@@ -21,7 +21,7 @@ from llmopt.model.source import ModelSource
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, option: str = "max_shard_size") -> int:
     """'5GB', '500MB', '2GiB', '1000' -> bytes (decimal units as HF uses them, binary with 'i')."""
     units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
     s = text.strip().upper().replace(" ", "")
@@ -32,7 +32,7 @@ def parse_size(text: str) -> int:
     except ValueError:
         value = -1
     if unit not in units or value <= 0:
-        raise OptionError(f"bad <max_shard_size> {text!r} (examples: 5GB, 500MB, 2GiB)")
+        raise OptionError(f"bad <{option}> {text!r} (examples: 5GB, 500MB, 2GiB)")
     return int(value * units[unit])
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmopt.formats.gguf.types import tensor_nbytes
+from llmopt.formats.gguf.types import aligned, tensor_nbytes
 from llmopt.model.gguf_header import read_gguf
 from llmopt.plan.arch_tensors import PlannedTensor
 
@@ -53,13 +53,9 @@ def tensor_info_bytes(name: str, ndim: int) -> int:
     return 8 + len(name.encode()) + 4 + 8 * ndim + 4 + 8
 
 
-def _pad(n: int, alignment: int) -> int:
-    return (n + alignment - 1) // alignment * alignment
-
-
 def gguf_file_bytes(tensors: list[PlannedTensor], types: dict[str, str], metadata_bytes: int,
                     alignment: int = DEFAULT_ALIGNMENT) -> int:
     """Exact file size of a GGUF holding `tensors` with these GGML `types` and metadata."""
     directory = sum(tensor_info_bytes(t.gguf_name, len(t.shape)) for t in tensors)
-    data = sum(_pad(tensor_nbytes(types[t.gguf_name], t.shape), alignment) for t in tensors)
-    return _pad(HEADER_BYTES + metadata_bytes + directory, alignment) + data
+    data = sum(aligned(tensor_nbytes(types[t.gguf_name], t.shape), alignment) for t in tensors)
+    return aligned(HEADER_BYTES + metadata_bytes + directory, alignment) + data

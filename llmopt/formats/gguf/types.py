@@ -53,3 +53,8 @@ def tensor_nbytes(type_name: str, shape: Sequence[int]) -> int:
         shape = (1,)
     rows = math.prod(shape[:-1])
     return rows * row_nbytes(type_name, shape[-1])
+
+
+def aligned(n: int, alignment: int) -> int:
+    """`n` rounded up to a multiple of `alignment`: what a tensor (or the header) takes in the file."""
+    return (n + alignment - 1) // alignment * alignment

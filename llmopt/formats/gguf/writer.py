@@ -31,7 +31,7 @@ from llmopt.errors import InputError
 from llmopt.formats.atomic import AtomicFile
 from llmopt.formats.gguf.blocks import pack
 from llmopt.formats.gguf.mixes import check_mix, file_type, gguf_shapes, plan_shapes
-from llmopt.formats.gguf.types import ggml_type, tensor_nbytes
+from llmopt.formats.gguf.types import aligned, ggml_type, tensor_nbytes
 from llmopt.formats.gguf.vocab import vocab_metadata
 from llmopt.model.arch import ArchSpec
 from llmopt.model.families.base import permute_for_gguf
@@ -74,22 +74,18 @@ class GgufPlan:
 
     @property
     def data_nbytes(self) -> int:
-        return sum(_pad(t.nbytes, self.alignment) for t in self.tensors)
+        return sum(aligned(t.nbytes, self.alignment) for t in self.tensors)
 
     @property
     def file_nbytes(self) -> int:
         """The exact size of the file `write_gguf` produces for this plan."""
-        return _pad(self.header_nbytes, self.alignment) + self.data_nbytes
+        return aligned(self.header_nbytes, self.alignment) + self.data_nbytes
 
     def types_count(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for t in self.tensors:
             counts[t.type_name] = counts.get(t.type_name, 0) + 1
         return counts
-
-
-def _pad(n: int, align: int) -> int:
-    return (n + align - 1) // align * align
 
 
 @dataclass
@@ -101,6 +97,7 @@ class Provenance:
     imatrix_datasets: list[str] = field(default_factory=list)
     imatrix_entries: int | None = None
     imatrix_chunks: int | None = None
+    extra: dict[str, str] = field(default_factory=dict)  # more llmopt.* keys: the method, the automatic mix
 
 
 def plan_gguf(
@@ -191,7 +188,7 @@ class GGUFWriter:
                     data = encode_tensor(self.source, planned, importance, weight)
             if data.nbytes != planned.nbytes:
                 raise InputError(f"{planned.gguf_name}: encoded {data.nbytes} bytes, planned {planned.nbytes}")
-            f.write(bytes(_pad(f.tell(), self.plan.alignment) - f.tell()))
+            f.write(bytes(aligned(f.tell(), self.plan.alignment) - f.tell()))
             data.tofile(f)
             del data
             self.next += 1
@@ -200,7 +197,7 @@ class GGUFWriter:
 
     def finish(self) -> Path:
         self._write_ready(final=True)
-        self.file.write(bytes(_pad(self.file.tell(), self.plan.alignment) - self.file.tell()))
+        self.file.write(bytes(aligned(self.file.tell(), self.plan.alignment) - self.file.tell()))
         self.file.close()
         self.path = self.out.commit()
         return self.path
@@ -302,6 +299,7 @@ def gguf_metadata(source: ModelSource, mix: str, provenance: Provenance) -> dict
         "llmopt.version": llmopt.__version__,
         **({"llmopt.command": provenance.command} if provenance.command else {}),
         **_imatrix_keys(provenance),
+        **provenance.extra,
     }
 
 

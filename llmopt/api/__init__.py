@@ -11,12 +11,12 @@ flags, calls these, and renders their results. They take the same options as key
 """
 
 from llmopt.api.convert import convert_to_gguf, convert_to_hf, plan_gguf_file
-from llmopt.api.evaluate import evaluate
+from llmopt.api.evaluate import evaluate, evaluate_files
 from llmopt.api.generate import generate, load
 from llmopt.api.imatrix import imatrix
 from llmopt.api.inspect import inspect
 from llmopt.api.quantize import QuantizeResult, quantize
 from llmopt.api.recommend import recommend
 
-__all__ = ["QuantizeResult", "convert_to_gguf", "convert_to_hf", "evaluate", "generate", "imatrix", "inspect", "load",
+__all__ = ["QuantizeResult", "convert_to_gguf", "convert_to_hf", "evaluate", "evaluate_files", "generate", "imatrix", "inspect", "load",
            "plan_gguf_file", "quantize", "recommend"]

@@ -1,16 +1,19 @@
 """`evaluate`: perplexity over non-overlapping windows; against a reference, KL divergence and
-top-1 agreement; optional quality gates."""
+top-1 agreement; optional quality gates. `evaluate_files` does it for several files against one
+reference, with each file's size, and can plot KL divergence against size."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from llmopt.errors import InputError, OptionError
 from llmopt.eval.gates import Gate, check_gates
+from llmopt.eval.pareto import Point, pareto_front, plot_kld_vs_size
 from llmopt.eval.perplexity import EvalResult, evaluate as score, token_windows
-from llmopt.runtime.weights import load_model
+from llmopt.runtime.weights import LoadedModel, load_model
 
 
 def evaluate(model: str | Path, data: str | Path, *, ref: str | Path | None = None, ctx: int = 512, windows: int = 40,
@@ -20,23 +23,85 @@ def evaluate(model: str | Path, data: str | Path, *, ref: str | Path | None = No
     """Score `model` on the first `windows` windows of `ctx` tokens of the text file `data`.
     Returns the result, the gates (perplexity rise in %, top-1 agreement in %) and a JSON summary;
     the caller decides what a failed gate means (the CLI exits 1)."""
+    _check_gates(ref, max_ppl_increase, min_top1)
+    text = _read(data)
+    reference = load_model(str(ref), dtype, device, packed) if ref is not None else None
+    return _score(load_model(str(model), dtype, device, packed), text, data, reference, ctx, windows,
+                  max_ppl_increase, min_top1, on_window)  # fmt: skip
+
+
+def evaluate_files(models: Sequence[str | Path], data: str | Path, *, ref: str | Path | None = None, ctx: int = 512,
+                   windows: int = 40, max_ppl_increase: float | None = None, min_top1: float | None = None,
+                   dtype: str = "auto", device: str = "auto", packed: bool = False, plot: str | Path | None = None,
+                   on_window: Callable[[int, int, int], None] | None = None) -> list[tuple[EvalResult, list[Gate], dict[str, Any]]]:  # fmt: skip
+    """`evaluate` for each of `models` against one reference (loaded once; one model in memory
+    besides it), each summary with the file's size (`bytes`) and bits per weight. With `plot`, a
+    PNG of KL divergence against size, the Pareto front joined. `on_window(model_index, done, total)`."""
+    if not models:
+        raise OptionError("give at least one model to evaluate")
+    if plot is not None and ref is None:
+        raise OptionError("<plot> draws KL divergence against a reference: give <ref> MODEL")
+    _check_gates(ref, max_ppl_increase, min_top1)
+    text = _read(data)
+    reference = load_model(str(ref), dtype, device, packed) if ref is not None else None
+    params = None if reference is None else _parameters(reference)
+    rows = []
+    for i, model in enumerate(models):
+        target = load_model(str(model), dtype, device, packed)
+        count = params or _parameters(target)
+        result, gates, summary = _score(target, text, data, reference, ctx, windows, max_ppl_increase, min_top1,
+                                        None if on_window is None else lambda d, t, i=i: on_window(i, d, t))  # fmt: skip
+        summary["bytes"] = weights_nbytes(Path(target.path))
+        summary["bits_per_weight"] = round(8 * summary["bytes"] / count, 3)
+        rows.append((result, gates, summary))
+        del target
+        gc.collect()
+    if reference is not None:
+        points = [Point(Path(s["model"]).name, s["bytes"], r.kl_divergence) for r, _, s in rows]
+        for i in pareto_front(points):
+            rows[i][2]["pareto"] = True
+        if plot is not None:
+            plot_kld_vs_size(points, Path(plot), f"KL divergence from {Path(reference.path).name}, {Path(data).name}, "
+                                                 f"{rows[0][0].windows} x {ctx} tokens")  # fmt: skip
+    return rows
+
+
+def weights_nbytes(path: Path) -> int:
+    """Bytes of a model's weights on disk: a file's size, or a directory's safetensors and GGUF files."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.iterdir() if f.suffix in (".safetensors", ".gguf"))
+
+
+def _parameters(loaded: LoadedModel) -> int:
+    """Weights of a float model, each stored tensor once (tied embeddings share theirs)."""
+    return sum(p.numel() for p in {p.data_ptr(): p for p in loaded.model.parameters()}.values())
+
+
+def _check_gates(ref: object, max_ppl_increase: float | None, min_top1: float | None) -> None:
     if (max_ppl_increase is not None or min_top1 is not None) and ref is None:
         raise OptionError("<max_ppl_increase> and <min_top1> compare against a reference: give <ref> MODEL")
+
+
+def _read(data: str | Path) -> str:
     try:
-        text = Path(data).read_text(encoding="utf-8")
+        return Path(data).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"{data}: cannot read ({e.__class__.__name__})") from None
-    target = load_model(str(model), dtype, device, packed)
+
+
+def _score(target: LoadedModel, text: str, data: str | Path, reference: LoadedModel | None, ctx: int, windows: int,
+           max_ppl_increase: float | None, min_top1: float | None,
+           on_window: Callable[[int, int], None] | None) -> tuple[EvalResult, list[Gate], dict[str, Any]]:  # fmt: skip
     if target.tokenizer is None:
-        raise InputError(f"{model}: has no tokenizer, so it cannot read text")
+        raise InputError(f"{target.path}: has no tokenizer, so it cannot read text")
     chunks = token_windows(target.tokenizer.encode(text), ctx, windows)
-    reference = None
-    if ref is not None:
-        reference = load_model(str(ref), dtype, device, packed)
+    if reference is not None:
         sample = text[:20000]  # both tokenizers on the same text (a cut prefix ends differently from the whole)
         if reference.model.arch.vocab_size != target.model.arch.vocab_size or (
                 reference.tokenizer is not None and reference.tokenizer.encode(sample) != target.tokenizer.encode(sample)):
-            raise OptionError(f"<ref> {ref}: its tokenizer differs from the model's; KL and top-1 need the same vocabulary")
+            raise OptionError(f"<ref> {reference.path}: its tokenizer differs from {target.path}'s; KL and top-1 need "
+                              f"the same vocabulary")  # fmt: skip
     total = chunks.shape[0]
     result = score(target.model, chunks, reference.model if reference else None,
                    on_window=None if on_window is None else lambda i: on_window(i + 1, total))  # fmt: skip

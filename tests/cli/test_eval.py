@@ -61,3 +61,28 @@ def test_smollm2_wikitext_perplexity(llmopt_cli, smollm2_hf):
     data = json.loads(r.stdout)
     print(f"SmolLM2 fp16 wikitext-2 test perplexity (ctx 512, 40 windows): {data['perplexity']:.4f}")
     assert 25.4 < data["perplexity"] < 25.8
+
+
+def test_several_files_one_table_and_the_kld_size_plot(llmopt_here, tiny_models, text, tmp_path):
+    """Several GGUF files of one model against it: one table with size and bits/weight, the Pareto
+    front marked (the bigger type has lower KL here), and a PNG of KL against size."""
+    model = tiny_models("llama")
+    files = []
+    for mix in ("Q4_0", "Q8_0"):
+        out = tmp_path / f"m-{mix}.gguf"
+        assert llmopt_here("convert", model, "--to", "gguf", "--type", mix, "-o", out).returncode == 0
+        files.append(out)
+    plot = tmp_path / "kld.png"
+    args = ["eval", *files, "--data", text, "--ctx", "32", "--windows", "3", "--ref", model, "--plot", plot]
+    r = llmopt_here(*args)
+    assert r.returncode == 0, r.stderr
+    for label in ("size", "bpw", "KLD", "front", "m-Q4_0.gguf", "m-Q8_0.gguf"):
+        assert label in r.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = json.loads(llmopt_here(*args[:-2], "--json").stdout)["models"]
+    assert [row["bytes"] for row in rows] == [f.stat().st_size for f in files]
+    q4, q8 = rows
+    assert q8["kl_divergence"] < q4["kl_divergence"] and q4["bits_per_weight"] < q8["bits_per_weight"]
+    assert q4["pareto"] and q8["pareto"]
+    no_ref = llmopt_here("eval", *files, "--data", text, "--ctx", "32", "--windows", "3", "--plot", plot)
+    assert no_ref.returncode == 2 and "--plot draws KL divergence against a reference" in no_ref.stderr

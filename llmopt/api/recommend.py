@@ -8,7 +8,7 @@ from typing import Any
 from llmopt.errors import OptionError
 from llmopt.plan.gpus import GIB, get_gpu
 from llmopt.plan.kv_cache import check_kv_dtype
-from llmopt.plan.models import PlanModel, from_params, parse_params, resolve_model
+from llmopt.plan.models import PlanModel, find_preset, from_params, parse_params, resolve_model
 from llmopt.plan.recommend import USE_CASES, Budget, Workload, recommend_for_model, recommend_over_presets, tp_allowed
 
 _MEM = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(gib|gb|g)?\s*$", re.IGNORECASE)
@@ -54,7 +54,15 @@ def recommend(*, mem: str | None = None, model: str | None = None, params: str |
         result = recommend_for_model(plan_model, workload, budget, use_cases)
     else:
         result = recommend_over_presets(workload, budget, use_cases)
-    return {**_to_json(result, workload, budget, plan_model), "rows": result["candidates"]}
+    out = {**_to_json(result, workload, budget, plan_model), "rows": result["candidates"]}
+    auto = result.get("automatic")
+    if auto is not None and model is not None:
+        preset = find_preset(model)
+        source = preset.source if preset is not None else model  # a preset is converted from its hub id
+        auto["command"] = (f"llmopt convert {source} --to gguf --target-size {auto['target_size_bytes']} "
+                           f"--calib CALIB.txt -o {plan_model.name}-auto.gguf")  # fmt: skip
+    out["automatic"] = auto
+    return out
 
 
 def _to_json(result: dict[str, Any], workload: Workload, budget: Budget, model: PlanModel | None) -> dict[str, Any]:

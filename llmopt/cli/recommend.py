@@ -79,6 +79,11 @@ def _render(data: dict[str, Any], rows: list[Row]) -> None:
                   f"{_gib(o.device_context)} GiB")
     for uc, p in data["recommendations"].items():
         out.print(f"[bold green]{uc}[/]: {p['reason']}")
+    auto = data.get("automatic")
+    if auto is not None:
+        out.print(f"[bold green]automatic[/]: a GGUF mix of {auto['target_size_bytes']:,} bytes "
+                  f"({auto['bits_per_weight']:.2f} bits/weight) fills the budget; the least predicted KL at that size:")
+        out.print(f"  {auto['command']}", soft_wrap=True)
     if not data["recommendations"]:
         out.print("[bold red]nothing fits[/]")
         for n in data["nearest"]:

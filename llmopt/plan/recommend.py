@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from llmopt.formats.gguf.automix import candidate_types
+from llmopt.formats.gguf.types import aligned, tensor_nbytes
 from llmopt.plan.gpus import GPU, GIB
 from llmopt.plan.gguf_file import gguf_file_bytes
 from llmopt.plan.kv_cache import kv_bytes_per_token
@@ -227,9 +229,30 @@ def nearest(model: PlanModel, workload: Workload, budget: Budget) -> list[dict[s
 
 
 # ---------------------------------------------------------------- the two modes
+def automatic_gguf(model: PlanModel, workload: Workload, budget: Budget) -> dict[str, Any] | None:
+    """The GGUF file size `convert --target-size` should aim at to fill the budget with room to
+    spare (HEADROOM_FRACTION), or None when F16 fits anyway or not even the smallest types fit."""
+    tp = workload.tp
+    kv = kv_bytes_per_device(model, kv_bytes_per_token(model.arch, workload.kv_dtype) * workload.context * workload.batch, tp)
+    overhead = runtime_overhead(model.arch, workload.context, workload.batch, tp=tp)
+    room = (int(budget.memory_bytes * (1 - HEADROOM_FRACTION)) - kv - overhead.total) * tp  # whole-model weights
+    f16 = weight_size(model.arch, model.tensors, gguf_format("F16"))
+    header = gguf_file_bytes(model.tensors, f16.tensor_types, model.metadata_bytes, model.alignment) - sum(
+        aligned(tensor_nbytes(f16.tensor_types[t.gguf_name], t.shape), model.alignment) for t in model.tensors)
+    least = sum(aligned(tensor_nbytes(f16.tensor_types[t.gguf_name], t.shape), model.alignment)
+                if f16.tensor_types[t.gguf_name] == "F32" else
+                min(aligned(tensor_nbytes(c, t.shape), model.alignment) for c in candidate_types(t.shape))
+                for t in model.tensors)  # fmt: skip
+    if room >= f16.total_bytes or room < least:
+        return None
+    return {"target_size_bytes": header + room, "bits_per_weight": round(8 * room / f16.parameters, 3),
+            "smallest_file_bytes": header + least}  # fmt: skip
+
+
 def recommend_for_model(model: PlanModel, workload: Workload, budget: Budget,
                         use_cases: tuple[str, ...] = USE_CASES) -> dict[str, Any]:
-    """Every candidate for one model, one pick per use case, and fixes when nothing fits."""
+    """Every candidate for one model, one pick per use case, the automatic GGUF mix that fills the
+    budget, and fixes when nothing fits."""
     rows = plan_rows(model, workload, budget)
     picks = {}
     for uc in use_cases:
@@ -242,6 +265,7 @@ def recommend_for_model(model: PlanModel, workload: Workload, budget: Budget,
         "candidates": rows,
         "recommendations": picks,
         "nearest": [] if picks else nearest(model, workload, budget),
+        "automatic": automatic_gguf(model, workload, budget),
     }
 
 

@@ -81,3 +81,23 @@ def test_params_plans_a_scaled_architecture():
     assert abs(model.parameters - 13e9) / 13e9 < 0.02
     model = from_params(parse_params("20B"))
     assert abs(model.parameters - 20e9) / 20e9 < 0.02
+
+
+def test_automatic_mix_fills_the_budget_between_the_smallest_file_and_f16():
+    """With a model, recommend names the GGUF size that fills the memory with the headroom kept:
+    the weights plus KV cache and overheads land on the budget's comfortable edge."""
+    from llmopt.api.recommend import recommend
+    from llmopt.plan.recommend import HEADROOM_FRACTION
+
+    out = recommend(mem="40", model="llama-3-70b", context=8192)
+    auto = out["automatic"]
+    assert auto is not None and auto["smallest_file_bytes"] < auto["target_size_bytes"]
+    q4 = next(r for r in out["rows"] if r.format == "Q4_K_M")
+    f16 = next(r for r in out["rows"] if r.format == "F16")
+    weights = auto["target_size_bytes"] - (q4.file_bytes - q4.weights_bytes)  # the same header as any mix
+    assert weights < f16.weights_bytes
+    used = weights + q4.kv_bytes + q4.overhead.total
+    assert (1 - HEADROOM_FRACTION) * 40 * GIB - 1 <= used <= (1 - HEADROOM_FRACTION) * 40 * GIB + 1
+    assert "--target-size" in auto["command"] and "meta-llama/" in auto["command"]
+    assert recommend(mem="400", model="llama-3-70b")["automatic"] is None  # F16 fits: nothing to choose
+    assert recommend(mem="8", model="llama-3-70b")["automatic"] is None  # not even the smallest types fit

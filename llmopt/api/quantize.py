@@ -9,6 +9,7 @@ writer (formats/checkpoint.py), which streams it to disk.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from llmopt.device import resolve_calib_dtype, resolve_device
 from llmopt.errors import OptionError
 from llmopt.formats.atomic import check_output
 from llmopt.formats.checkpoint import CheckpointWriter, check_spec, zero_min
+from llmopt.formats.gptq_automix import BitsMix, plan_bits
+from llmopt.formats.sensitivity import cache_path
 from llmopt.formats.hf import parse_size
 from llmopt.model import ModelSource, open_model
 from llmopt.quant.pipeline import BlockResult, LayerReport, QuantizeSpec, quantize_model
@@ -38,6 +41,7 @@ class QuantizeResult:
     seconds: float
     reports: list[LayerReport] = field(default_factory=list)
     block_seconds: list[tuple[int, float]] = field(default_factory=list)  # (layer, seconds); -1 is the head
+    automix: BitsMix | None = None  # per-module bits chosen for a target bits/weight
 
     def to_dict(self) -> dict[str, Any]:
         m = self.spec.method
@@ -45,7 +49,8 @@ class QuantizeResult:
                 "group_size": m.group_size, "sym": m.sym, "act_order": bool(getattr(m, "act_order", False)),
                 "calibration": self.calibration, "seconds": round(self.seconds, 2),
                 "layers": [layer_row(r) for r in self.reports],
-                "blocks": [{"layer": layer, "seconds": round(s, 3)} for layer, s in self.block_seconds]}  # fmt: skip
+                "blocks": [{"layer": layer, "seconds": round(s, 3)} for layer, s in self.block_seconds],
+                **({"automix": self.automix.to_dict()} if self.automix is not None else {})}  # fmt: skip
 
 
 def layer_row(r: LayerReport) -> dict[str, Any]:
@@ -78,6 +83,8 @@ def quantize(
     seed: int = 0,
     calib_dtype: str = "auto",
     fmt: str | None = None,
+    target_bpw: float | None = None,
+    sensitivity_samples: int = 32,
     quantize_head: bool = False,
     batch_size: int = 8,
     max_shard_size: str = "5GB",
@@ -93,6 +100,10 @@ def quantize(
     "dense" (dequantized float16). `sym=None` is the method's default (asymmetric for AWQ).
     Calibration text is `calib` (a .txt/.jsonl/.parquet file, a preset, or "self": written by the
     model, the default).
+    `target_bpw` chooses each stage's (bits, group size) for the least predicted KL divergence at
+    that many bits per weight of the quantized linears (`formats/gptq_automix.py`, measured on
+    `sensitivity_samples` calibration samples and cached beside `output`), written as GPTQModel's
+    `dynamic` overrides; `bits`/`group_size` stay the checkpoint's defaults.
     `on_block(result, blocks)` sees each block's result as it is written (`blocks`: how many there
     are, the head included); `on_calibration(done, total)` follows the generation of self-written
     samples.
@@ -112,12 +123,26 @@ def quantize(
                       quantize_head=quantize_head, batch_size=batch_size, act_dtype=resolve_calib_dtype(calib_dtype, dev),
                       zero_min=zero_min(fmt, sym))  # fmt: skip
     check_spec(spec, fmt)
+    if target_bpw is not None:
+        if fmt != "gptq":
+            raise OptionError(f"<target_bpw> writes per-module bits as GPTQModel's `dynamic`: it needs <fmt> gptq, not {fmt}")
+        if not 0 < target_bpw <= 16:
+            raise OptionError(f"<target_bpw> {target_bpw}: expected bits per weight in (0, 16]")
+        if sensitivity_samples < 1:
+            raise OptionError(f"<sensitivity_samples> {sensitivity_samples}: must be at least 1")
     start = time.perf_counter()
     with open_model(model) as source:
         check_shapes(source, spec)
+        mix = None
+        if target_bpw is not None:
+            sens_calib = CalibConfig(calib or SELF, calib_field, sensitivity_samples, seqlen, seed)
+            mix = plan_bits(source, spec, target_bpw, sens_calib, device=dev,
+                            cache=cache_path(Path(output).expanduser().resolve()))  # fmt: skip
+            spec = dataclasses.replace(spec, dynamic=mix.dynamic)
+            check_spec(spec, fmt)
         calibration = CalibConfig(calib or SELF, calib_field, nsamples, seqlen, seed) if calibrated else None
         tokens, calib_info = calibrate(source, spec, calibration, dev, on_calibration)
-        result = QuantizeResult(Path(output), spec, fmt, calib_info, 0.0)
+        result = QuantizeResult(Path(output), spec, fmt, calib_info, 0.0, automix=mix)
         with CheckpointWriter(source, spec, Path(output), fmt, provenance(spec, calib_info), force, shard_bytes) as writer:
             feed(source, spec, tokens, dev, writer, result, on_block)
             result.output = writer.finish()

@@ -51,6 +51,8 @@ def quantize_command(
     seed: SeedOpt = 0,
     calib_dtype: CalibDtypeOpt = "auto",
     fmt: Annotated[Optional[Format], typer.Option("--format", help="gptq or awq: a packed checkpoint (default: awq for awq methods, else gptq); dense: dequantized float16 weights.", show_default=False)] = None,
+    target_bpw: Annotated[Optional[float], typer.Option("--target-bpw", help="GPTQ: choose each layer's bits and group size for the least predicted KL divergence at this many bits/weight (GPTQModel's `dynamic`; --bits/--group-size stay the default).", show_default=False)] = None,
+    sensitivity_samples: Annotated[int, typer.Option("--sensitivity-samples", help="With --target-bpw: calibration samples the sensitivities are measured on (cached beside -o).")] = 32,
     quantize_head: Annotated[bool, typer.Option("--quantize-head", help="Quantize the LM head too (embeddings and norms never are).")] = False,
     report: Annotated[Optional[Path], typer.Option("--report", help="Write per-layer error metrics as JSON to this file.")] = None,
     batch_size: BatchSizeOpt = 8,
@@ -88,8 +90,8 @@ def quantize_command(
                           act_order=act_order, group_aware=group_aware, static_groups=static_groups, damp=damp,
                           mse=mse, refit_scales=refit_scales, gptaq=gptaq, clip=clip, calib=calib, calib_field=calib_field,
                           nsamples=nsamples, seqlen=seqlen, seed=seed, calib_dtype=calib_dtype,
-                          fmt=fmt.value if fmt is not None else None,
-                          quantize_head=quantize_head, batch_size=batch_size, max_shard_size=max_shard_size,
+                          fmt=fmt.value if fmt is not None else None, target_bpw=target_bpw,
+                          sensitivity_samples=sensitivity_samples, quantize_head=quantize_head, batch_size=batch_size, max_shard_size=max_shard_size,
                           force=force, device=opts.device, on_block=on_block, on_calibration=on_calibration)
     summary = result.to_dict()
     if report is not None:
@@ -103,6 +105,11 @@ def quantize_command(
     m = result.spec.method
     out.print(f"wrote [bold]{result.output}[/] ({result.fmt}, {m.name} w{m.bits} g{m.group_size} {'sym' if m.sym else 'asym'}) "
               f"in {result.seconds:.1f}s ({per_layer:.2f}s per layer)")
+    if result.automix is not None:
+        a = result.automix
+        counts = ", ".join(f"{n} {name}" for name, n in sorted(a.counts.items()))
+        out.print(f"automatic bits: {counts}; {a.bits_per_weight:.3f} bits/weight; predicted KL divergence "
+                  f"{a.predicted_kld:.5f} nats/token{' (sensitivities from the cache)' if a.cached else ''}")  # fmt: skip
 
 
 # The methods' own numbers, as columns when any layer has them: key -> (header, format of the value)

@@ -27,6 +27,9 @@ class AWQLayout:
 
     def check(self, spec: QuantizeSpec) -> None:
         m = spec.method
+        if spec.dynamic:
+            raise OptionError("AWQ checkpoints have one bits and group size for every module; per-module bits "
+                              "(<target_bpw>) need <fmt> gptq")  # fmt: skip
         if m.bits != 4:
             raise OptionError(f"<bits> {m.bits}: AWQ checkpoints hold 4 bits (use <fmt> gptq or dense for others)")
         if m.group_size == 0:

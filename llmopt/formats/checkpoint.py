@@ -116,7 +116,7 @@ def plan_tensors(source: ModelSource, spec: QuantizeSpec, fmt: str) -> tuple[lis
         if name.endswith(".weight") and module in quantized:
             weight = head_weight_name(source) if module == HEAD else name
             out_f, in_f = (int(d) for d in source.tensors[weight].shape)
-            for part, shape, dtype in parts(out_f, in_f, spec.method.bits, spec.method.group_size):
+            for part, shape, dtype in parts(out_f, in_f, *spec.module_bits(module)):
                 plan.append(PlannedTensor(f"{module}.{part}", shape, dtype))
                 producer[f"{module}.{part}"] = module
         else:

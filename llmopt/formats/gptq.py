@@ -10,6 +10,9 @@ Per quantized linear `<module>`:
 
 from __future__ import annotations
 
+import re
+
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,13 +26,34 @@ from llmopt.quant.pipeline import QuantizeSpec
 from llmopt.quantized_tensor import QuantizedTensor
 
 
+# vLLM fuses these projections into one layer and looks its `dynamic` override up by the fused name.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def dynamic_overrides(modules: Mapping[str, tuple[int, int]]) -> dict[str, dict[str, int]]:
+    """GPTQModel's `dynamic`: one `+:` pattern per parent module and (bits, group_size), naming its
+    modules exactly, plus vLLM's fused name when all of a fused group's parts are in it (they then
+    share one setting, which a fused kernel needs)."""
+    groups: dict[tuple[str, tuple[int, int]], list[str]] = {}
+    for module, setting in modules.items():
+        parent, _, leaf = module.rpartition(".")
+        groups.setdefault((parent, setting), []).append(leaf)
+    out: dict[str, dict[str, int]] = {}
+    for (parent, (bits, group_size)), leaves in groups.items():
+        names = sorted(leaves) + [fused for fused, parts in FUSED.items() if set(parts) <= set(leaves)]
+        prefix = re.escape(parent) + r"\." if parent else ""
+        out[f"+:^{prefix}({'|'.join(names)})$"] = {"bits": bits, "group_size": group_size if group_size > 0 else -1}
+    return out
+
+
 class GPTQLayout:
     name = "gptq"
 
     def check(self, spec: QuantizeSpec) -> None:
-        if spec.method.bits not in PACK_BITS:
-            raise OptionError(f"<bits> {spec.method.bits}: GPTQ checkpoints hold {', '.join(map(str, PACK_BITS))} bits "
-                              f"(use <fmt> dense for other widths)")  # fmt: skip
+        for bits in {spec.method.bits, *(b for b, _ in spec.dynamic.values())}:
+            if bits not in PACK_BITS:
+                raise OptionError(f"<bits> {bits}: GPTQ checkpoints hold {', '.join(map(str, PACK_BITS))} bits "
+                                  f"(use <fmt> dense for other widths)")  # fmt: skip
 
     def parts(self, out_f: int, in_f: int, bits: int, group_size: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         groups = group_count(in_f, group_size)
@@ -73,6 +97,7 @@ class GPTQLayout:
             "damp_auto_increment": gptq.damp_step if gptq else None,
             "mse": bool(m.mse),
             "checkpoint_format": "gptq",
+            **({"dynamic": dynamic_overrides(spec.dynamic)} if spec.dynamic else {}),
             "pack_dtype": "int32",
             "meta": {"quantizer": [f"llmopt:{llmopt.__version__}"], "method": m.name, "llmopt": provenance},
         }

@@ -12,6 +12,8 @@ it as one logical `<module>.weight` [out, in] and `load` returns it dequantized:
 
 from __future__ import annotations
 
+import re
+
 import json
 from pathlib import Path
 
@@ -38,6 +40,7 @@ class PackedDirSource(HFDirSource):
             self.group_size = int(q.get("group_size", q.get("q_group_size", 128)))
         except (TypeError, ValueError):
             raise InputError(f"{path}: quantization_config has a bad bits or group_size") from None
+        self.dynamic: list = []
         self.check_config(q)
         self.stored = self.tensors
         self.modules: dict[str, tuple[int, int]] = {}  # module -> (out, in)
@@ -51,12 +54,16 @@ class PackedDirSource(HFDirSource):
                 out_f, in_f = self.linear_shape(module, info.shape)
                 self.modules[module] = (out_f, in_f)
                 nbytes = sum(self.stored[f"{module}.{p}"].nbytes for p in self.parts if f"{module}.{p}" in self.stored)
-                kind = f"{self.method.upper()}{self.bits}"
+                kind = f"{self.method.upper()}{self.module_config(module)[0]}"
                 logical[f"{module}.weight"] = TensorInfo(f"{module}.weight", name, (out_f, in_f), kind, nbytes)
         self.tensors = logical
 
     def check_config(self, q: dict) -> None:
         """Refuse what this reader cannot read (one line)."""
+
+    def module_config(self, module: str) -> tuple[int, int]:
+        """(bits, group_size) of one module."""
+        return self.bits, self.group_size
 
     def linear_shape(self, module: str, qweight_shape: tuple[int, ...]) -> tuple[int, int]:
         raise NotImplementedError
@@ -85,32 +92,52 @@ class PackedDirSource(HFDirSource):
 
 
 class GPTQDirSource(PackedDirSource):
+    """GPTQ v1 checkpoints, with GPTQModel's per-module `dynamic` overrides of bits and group size:
+    `{"+:REGEX": {"bits": 8, "group_size": 64}}`, the first pattern that matches a module's name
+    (re.match, as GPTQModel and vLLM apply them); `-:` patterns mark modules left unquantized."""
+
     kind = "hf-gptq"
     method = "gptq"
     parts = ("qweight", "qzeros", "scales", "g_idx")
 
     def check_config(self, q: dict) -> None:
         fmt = str(q.get("checkpoint_format", "gptq")).lower()
-        if self.bits not in PACK_BITS:
-            raise InputError(f"{self.path}: GPTQ bits {self.bits} is not supported (supported: {', '.join(map(str, PACK_BITS))})")
+        dynamic = q.get("dynamic") or {}
+        if not isinstance(dynamic, dict) or not all(isinstance(v, dict) for v in dynamic.values()):
+            raise InputError(f"{self.path}: quantization_config.dynamic must map patterns to overrides")
+        try:
+            self.dynamic = [(re.compile(k.removeprefix("+:")), v) for k, v in dynamic.items() if not k.startswith("-:")]
+        except re.error as e:
+            raise InputError(f"{self.path}: quantization_config.dynamic has a bad pattern ({e})") from None
+        for bits in {self.bits, *(int(v.get("bits", self.bits)) for _, v in self.dynamic)}:
+            if bits not in PACK_BITS:
+                raise InputError(f"{self.path}: GPTQ bits {bits} is not supported (supported: {', '.join(map(str, PACK_BITS))})")
         if fmt not in ("gptq", "gptq_v1"):
             raise InputError(f"{self.path}: GPTQ checkpoint_format {fmt!r} is not supported (only 'gptq', format v1)")
 
+    def module_config(self, module: str) -> tuple[int, int]:
+        """(bits, group_size) of one module: the checkpoint's, or its first matching `dynamic` override."""
+        for pattern, override in self.dynamic:
+            if pattern.match(module):
+                return int(override.get("bits", self.bits)), int(override.get("group_size", self.group_size))
+        return self.bits, self.group_size
+
     def linear_shape(self, module: str, qweight_shape: tuple[int, ...]) -> tuple[int, int]:
         g_idx = self.stored.get(f"{module}.g_idx")
-        in_f = g_idx.shape[0] if g_idx is not None else qweight_shape[0] * 32 // self.bits
+        in_f = g_idx.shape[0] if g_idx is not None else qweight_shape[0] * 32 // self.module_config(module)[0]
         return qweight_shape[1], in_f
 
     def quantized(self, module: str) -> QuantizedTensor:
         out_f, in_f = self.modules[module]
-        codes = unpack_qweight(self.raw(module, "qweight"), self.bits, in_f).t().contiguous()
-        zeros = unpack_qzeros(self.raw(module, "qzeros"), self.bits, out_f)
+        bits, group_size = self.module_config(module)
+        codes = unpack_qweight(self.raw(module, "qweight"), bits, in_f).t().contiguous()
+        zeros = unpack_qzeros(self.raw(module, "qzeros"), bits, out_f)
         if f"{module}.g_idx" in self.stored:
             g_idx = self.raw(module, "g_idx").to(torch.int64)
         else:
-            g_idx = torch.arange(in_f) // (in_f if self.group_size <= 0 else self.group_size)
-        qt = QuantizedTensor(codes=codes, scales=self.raw(module, "scales").t().contiguous(), bits=self.bits,
-                             group_size=self.group_size, zeros=zeros.t().contiguous(), g_idx=g_idx, grid="int")  # fmt: skip
+            g_idx = torch.arange(in_f) // (in_f if group_size <= 0 else group_size)
+        qt = QuantizedTensor(codes=codes, scales=self.raw(module, "scales").t().contiguous(), bits=bits,
+                             group_size=group_size, zeros=zeros.t().contiguous(), g_idx=g_idx, grid="int")  # fmt: skip
         return self._checked(module, qt)
 
 

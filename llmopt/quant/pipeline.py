@@ -23,9 +23,11 @@ caller can hand each to a writer (`formats`) and drop it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -51,9 +53,21 @@ class QuantizeSpec:
     batch_size: int = 8  # calibration samples per forward chunk
     act_dtype: torch.dtype = torch.float32  # the calibration forward's products; statistics stay float32
     grids: Callable[[str], Grid] | None = None  # the grid of each module (HF name); default: the method's own
+    # Per-module (bits, group_size) on the method's integer grid (GPTQModel's `dynamic`): the automatic mix.
+    dynamic: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     def grid_for(self, module: str) -> Grid:
-        return self.method.grid() if self.grids is None else self.grids(module)
+        if self.grids is not None:
+            return self.grids(module)
+        grid = self.method.grid()
+        if module in self.dynamic:
+            bits, group_size = self.dynamic[module]
+            return dataclasses.replace(grid, bits=bits, group_size=group_size)
+        return grid
+
+    def module_bits(self, module: str) -> tuple[int, int]:
+        """(bits, group_size) of one module's integer grid."""
+        return self.dynamic.get(module, (self.method.bits, self.method.group_size))
 
 
 @dataclass

@@ -8,7 +8,8 @@ from pathlib import Path
 import gguf
 import pytest
 
-from llmopt.formats.gguf.automix import cache_path, candidate_types
+from llmopt.formats.gguf.automix import candidate_types
+from llmopt.formats.sensitivity import cache_path
 from llmopt.formats.gguf.types import aligned, tensor_nbytes
 
 

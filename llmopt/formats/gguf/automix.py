@@ -5,35 +5,29 @@ each type is the KL divergence its rounding adds, predicted from the Fisher diag
 (`llmopt.quant.sensitivity`) and the tensor as llama.cpp's search (importance-weighted) rounds it;
 `llmopt.quant.allocate` picks the types under the byte budget. The table of costs is what takes
 time (a backward pass per sample, every tensor rounded to every type), so it is cached beside the
-output (`<output>.sensitivity.safetensors`) and reused while the model, the calibration and the
-candidates are the same.
+output (`llmopt.formats.sensitivity`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from llmopt.calibration.samples import CalibConfig, load_calibration
 from llmopt.errors import OptionError
-from llmopt.formats.atomic import atomic_output_file
 from llmopt.formats.gguf.mixes import DEFAULT_TYPE, MIXES, allows_quantization, category, gguf_shapes, plan_shapes
 from llmopt.formats.gguf.types import aligned, block_geometry, is_quantized, tensor_nbytes
 from llmopt.formats.gguf.writer import GgufPlan, Provenance, plan_gguf
+from llmopt.formats.sensitivity import Sensitivities, cache_key, load, measure, save
 from llmopt.model.source import ModelSource
 from llmopt.quant.allocate import Allocation, Option, allocate
 from llmopt.quant.grids import quantize
-from llmopt.quant.sensitivity import fisher_diagonal, predicted_kld
 
 # The types a tensor may take, from the smallest; each is kept only where the row divides its block.
 CANDIDATES: tuple[str, ...] = ("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "F16")
@@ -45,47 +39,8 @@ def candidate_types(shape: Sequence[int], candidates: Sequence[str] = CANDIDATES
     return [t for t in candidates if shape[-1] % block_geometry(t)[0] == 0]
 
 
-@dataclass
-class Sensitivities:
-    """Per GGUF tensor name: the candidate types, the predicted KL of each, and its imatrix vector."""
-
-    types: dict[str, list[str]] = field(default_factory=dict)
-    cost: dict[str, list[float]] = field(default_factory=dict)
-    importance: dict[str, torch.Tensor] = field(default_factory=dict)
-    key: dict = field(default_factory=dict)
-
-    def options(self, name: str, shape: Sequence[int], alignment: int) -> list[Option]:
-        return [Option(t, aligned(tensor_nbytes(t, shape), alignment), c) for t, c in zip(self.types[name], self.cost[name])]
-
-
-def measure(source: ModelSource, tensors: Mapping[str, str], samples: torch.Tensor, *, seed: int, key: dict,
-            importance: Mapping[str, torch.Tensor] | None = None, device: torch.device | str = "cpu",
-            on_step: Callable[[str, int, int], None] | None = None) -> Sensitivities:  # fmt: skip
-    """The cost table of `tensors` (GGUF name -> HF name) over calibration `samples` [n, t].
-
-    Each tensor is rounded to each candidate with `importance` (GGUF name -> imatrix vector; by
-    default the one this pass measures), as the writer will round it.
-    """
-    by_hf = {hf: g for g, hf in tensors.items()}
-    fisher = fisher_diagonal(source, samples, list(tensors.values()), seed=seed, device=device,
-                             on_sample=None if on_step is None else lambda i, n: on_step("fisher", i, n))  # fmt: skip
-    result = Sensitivities(key=key)
-    result.importance = {by_hf[hf]: v for hf, v in fisher.importance.items()}
-    weights = result.importance if importance is None else importance
-    for done, (gguf_name, hf_name) in enumerate(tensors.items()):
-        weight = source.load(hf_name, dtype=torch.float32)
-        weight = weight.reshape(-1, weight.shape[-1])
-        diag = fisher.diagonal.pop(hf_name).reshape(weight.shape)
-        types = candidate_types(weight.shape)
-        result.types[gguf_name] = types
-        result.cost[gguf_name] = [predicted_kld(diag, weight, _rounded(t, weight, weights.get(gguf_name))) for t in types]
-        source.release_pages()
-        if on_step is not None:
-            on_step("round", done + 1, len(tensors))
-    return result
-
-
-def _rounded(type_name: str, weight: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
+def rounded(type_name: str, weight: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
+    """`weight` as llama.cpp's search rounds it to `type_name` (weighted by `importance`), dequantized."""
     if type_name == "F16":
         return weight.to(torch.float16).to(torch.float32)
     return quantize(type_name, weight, importance).dequantize()
@@ -95,7 +50,8 @@ def choose(shapes: Mapping[str, Sequence[int]], sens: Sensitivities, budget: int
            alignment: int) -> tuple[dict[str, str], Allocation]:  # fmt: skip
     """The type of each tensor in `shapes` (GGUF name -> HF shape) whose padded bytes fit `budget`."""
     names = list(shapes)
-    items = [sens.options(n, shapes[n], alignment) for n in names]
+    items = [[Option(t, aligned(tensor_nbytes(t, shapes[n]), alignment), c) for t, c in zip(sens.options[n], sens.cost[n])]
+             for n in names]
     result = allocate(items, budget)
     return {n: items[i][k].name for i, (n, k) in enumerate(zip(names, result.choice))}, result
 
@@ -161,14 +117,15 @@ def plan_automatic(source: ModelSource, mix: str | None, *, target_size: int | N
         raise OptionError(f"{what}: the smallest file this model makes is {least} bytes "
                           f"({least / 1e6:.2f} MB, {8 * (least - header) / params:.3f} bits/weight)")  # fmt: skip
     hf_names = {t.gguf_name: t.hf_name for t in base.tensors if t.gguf_name in free}
-    key = cache_key(source, {**calib.__dict__}, hf_names, importance_file)
+    key = cache_key(source, {**calib.__dict__}, hf_names, CANDIDATES, ESTIMATOR, importance_file)
     sens = load(cache, key) if cache is not None else None
     start = time.perf_counter()
     cached = sens is not None
     if sens is None:
         samples, _ = load_calibration(source, calib, device)
-        sens = measure(source, hf_names, samples, seed=calib.seed, key=key, importance=importance, device=device,
-                       on_step=on_step)  # fmt: skip
+        options = {n: candidate_types(free[n]) for n in hf_names}
+        sens = measure(source, hf_names, options, rounded, samples, seed=calib.seed, key=key, importance=importance,
+                       device=device, on_step=on_step)  # fmt: skip
         if cache is not None:
             save(sens, cache)
     types, allocation = choose(free, sens, target - header - fixed, base.alignment)
@@ -211,49 +168,3 @@ def _numel(shape: Sequence[int]) -> int:
     for d in shape:
         n *= d
     return n
-
-
-# ------------------------------------------------------------------------------------------- cache
-def cache_key(source: ModelSource, calibration: dict, tensors: Mapping[str, str], importance_file: str | None) -> dict:
-    """What the cost table depends on: the model's files, the calibration, the tensors, the estimator."""
-    files = [source.path] if source.path.is_file() else sorted(source.path.glob("*"))
-    stamp = hashlib.sha256()
-    for f in files:
-        st = os.stat(f)
-        stamp.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
-    stamp.update(json.dumps(sorted(tensors.items())).encode())
-    return {"estimator": ESTIMATOR, "candidates": list(CANDIDATES), "model": str(source.path),
-            "model_files": stamp.hexdigest(), "calibration": calibration, "imatrix": importance_file}  # fmt: skip
-
-
-def cache_path(output: Path) -> Path:
-    return output.with_name(output.name + ".sensitivity.safetensors")
-
-
-def save(sens: Sensitivities, path: Path) -> None:
-    """Write the cost table (safetensors: one cost vector and one imatrix vector per tensor)."""
-    tensors = {f"cost/{n}": torch.tensor(c, dtype=torch.float64) for n, c in sens.cost.items()}
-    tensors.update({f"importance/{n}": v.contiguous() for n, v in sens.importance.items()})
-    meta = {"key": json.dumps(sens.key, sort_keys=True), "types": json.dumps(sens.types)}
-    with atomic_output_file(path) as tmp:
-        save_file(tensors, str(tmp), metadata=meta)
-
-
-def load(path: Path, key: dict) -> Sensitivities | None:
-    """The cached table at `path` if it was made for `key`, else None."""
-    if not path.is_file():
-        return None
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-        if meta.get("key") != json.dumps(key, sort_keys=True):
-            return None
-        tensors = load_file(str(path))
-        types = json.loads(meta["types"])
-    except (SafetensorError, OSError, ValueError, KeyError):
-        return None  # unreadable: measure again
-    return Sensitivities(types=types, cost={n: tensors[f"cost/{n}"].tolist() for n in types},
-                         importance={k.removeprefix("importance/"): v for k, v in tensors.items()
-                                     if k.startswith("importance/")}, key=key)  # fmt: skip

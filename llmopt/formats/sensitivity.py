@@ -1,0 +1,108 @@
+"""The cost table of an automatic mix, and its cache file beside the output.
+
+A cost table holds, per tensor (or module), the options it may take and the KL divergence each is
+predicted to add (`llmopt.quant.sensitivity`), and the importance vectors measured on the way.
+Measuring it is what takes time, so it is written next to the output
+(`<output>.sensitivity.safetensors`: one float64 cost vector and one importance vector per
+tensor, the option names and the key in the metadata) and reused while the key is the same: the
+model's files, the calibration, the tensors, the candidates and the estimator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+from llmopt.formats.atomic import atomic_output_file
+from llmopt.model.source import ModelSource
+from llmopt.quant.sensitivity import fisher_diagonal, predicted_kld
+
+Rounding = Callable[[str, torch.Tensor, "torch.Tensor | None"], torch.Tensor]  # (option, weight, importance) -> rounded
+
+
+@dataclass
+class Sensitivities:
+    """Per name: the options, the predicted KL of each (nats/token), and an importance vector."""
+
+    options: dict[str, list[str]] = field(default_factory=dict)
+    cost: dict[str, list[float]] = field(default_factory=dict)
+    importance: dict[str, torch.Tensor] = field(default_factory=dict)
+    key: dict = field(default_factory=dict)
+
+
+def measure(source: ModelSource, names: Mapping[str, str], options: Mapping[str, Sequence[str]], rounded: Rounding,
+            samples: torch.Tensor, *, seed: int, key: dict, importance: Mapping[str, torch.Tensor] | None = None,
+            device: torch.device | str = "cpu",
+            on_step: Callable[[str, int, int], None] | None = None) -> Sensitivities:  # fmt: skip
+    """The cost table of `names` (table name -> HF tensor name) over calibration `samples` [n, t]:
+    one Fisher pass, then each tensor rounded (`rounded(option, weight, importance)`) to each of its
+    `options`. `importance` (table name -> vector) replaces the imatrix this pass measures."""
+    fisher = fisher_diagonal(source, samples, list(names.values()), seed=seed, device=device,
+                             on_sample=None if on_step is None else lambda i, n: on_step("fisher", i, n))  # fmt: skip
+    by_hf = {hf: name for name, hf in names.items()}
+    result = Sensitivities(key=key)
+    result.importance = {by_hf[hf]: v for hf, v in fisher.importance.items() if hf in by_hf}
+    weights = result.importance if importance is None else importance
+    for done, (name, hf_name) in enumerate(names.items()):
+        weight = source.load(hf_name, dtype=torch.float32)
+        weight = weight.reshape(-1, weight.shape[-1])
+        diag = fisher.diagonal.pop(hf_name).reshape(weight.shape)
+        result.options[name] = list(options[name])
+        result.cost[name] = [predicted_kld(diag, weight, rounded(o, weight, weights.get(name))) for o in options[name]]
+        source.release_pages()
+        if on_step is not None:
+            on_step("round", done + 1, len(names))
+    return result
+
+
+def cache_key(source: ModelSource, calibration: dict, names: Mapping[str, str], candidates: Sequence[str],
+              estimator: str, importance_file: str | None = None) -> dict:  # fmt: skip
+    """What a cost table depends on: the model's files (names, sizes, times), the calibration, the
+    tensors, the candidates, the estimator and an imatrix file."""
+    files = [source.path] if source.path.is_file() else sorted(source.path.glob("*"))
+    stamp = hashlib.sha256()
+    for f in files:
+        st = os.stat(f)
+        stamp.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    stamp.update(json.dumps(sorted(names.items())).encode())
+    return {"estimator": estimator, "candidates": list(candidates), "model": str(source.path),
+            "model_files": stamp.hexdigest(), "calibration": calibration, "imatrix": importance_file}  # fmt: skip
+
+
+def cache_path(output: Path) -> Path:
+    """Where the cost table of `output` (a file or a folder) is kept: beside it."""
+    return output.with_name(output.name + ".sensitivity.safetensors")
+
+
+def save(sens: Sensitivities, path: Path) -> None:
+    tensors = {f"cost/{n}": torch.tensor(c, dtype=torch.float64) for n, c in sens.cost.items()}
+    tensors.update({f"importance/{n}": v.contiguous() for n, v in sens.importance.items()})
+    meta = {"key": json.dumps(sens.key, sort_keys=True), "options": json.dumps(sens.options)}
+    with atomic_output_file(path) as tmp:
+        save_file(tensors, str(tmp), metadata=meta)
+
+
+def load(path: Path | None, key: dict) -> Sensitivities | None:
+    """The cached table at `path` if it was made for `key`, else None (also when unreadable)."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("key") != json.dumps(key, sort_keys=True):
+            return None
+        tensors = load_file(str(path))
+        options = json.loads(meta["options"])
+        cost = {n: tensors[f"cost/{n}"].tolist() for n in options}
+    except (SafetensorError, OSError, ValueError, KeyError):
+        return None
+    importance = {k.removeprefix("importance/"): v for k, v in tensors.items() if k.startswith("importance/")}
+    return Sensitivities(options=options, cost=cost, importance=importance, key=key)

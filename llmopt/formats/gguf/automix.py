@@ -11,6 +11,7 @@ output (`llmopt.formats.sensitivity`).
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -74,10 +75,12 @@ class AutoMix:
     cached: bool  # the cost table came from the cache
     seconds: float  # spent on the cost table (0 when cached)
 
-    def metadata(self, samples: int) -> str:
-        """`llmopt.automix` in the file (fixed-width numbers: the header size is known before the choice)."""
-        return json.dumps({"estimator": ESTIMATOR, "target_bytes": self.target_bytes, "samples": samples,
-                           "predicted_kld": f"{self.predicted_kld:.6e}"}, sort_keys=True)  # fmt: skip
+
+def _metadata(target: dict, predicted_kld: float, samples: int) -> str:
+    """`llmopt.automix` in the file: the request as given and a fixed-width prediction, so the
+    header's size is known before the choice."""
+    return json.dumps({"estimator": ESTIMATOR, **target, "samples": samples,
+                       "predicted_kld": f"{predicted_kld:.6e}"}, sort_keys=True)  # fmt: skip
 
 
 def plan_automatic(source: ModelSource, mix: str | None, *, target_size: int | None = None,
@@ -96,8 +99,11 @@ def plan_automatic(source: ModelSource, mix: str | None, *, target_size: int | N
     if (target_size is None) == (target_bpw is None):
         raise OptionError("give one of <target_size> and <target_bpw>")
     provenance = provenance or Provenance()
+    request = {"target_size": target_size} if target_size is not None else {"target_bpw": target_bpw}
+    extra = {**provenance.extra, "llmopt.automix": _metadata(request, 0.0, calib.nsamples)}
+    # The header's size does not depend on the types, only on the metadata: this plan measures it.
     base = plan_gguf(source, mix or "F16", overrides=overrides, output_tensor_type=output_tensor_type,
-                     has_imatrix=True, provenance=provenance)  # fmt: skip
+                     has_imatrix=True, provenance=Provenance(**{**provenance.__dict__, "extra": extra}))  # fmt: skip
     pinned = [re.compile(p) for p, _ in overrides]
     free = {t.gguf_name: t.shape for t in base.tensors
             if t.hf_name is not None and allows_quantization(t.gguf_name, t.shape)
@@ -106,10 +112,8 @@ def plan_automatic(source: ModelSource, mix: str | None, *, target_size: int | N
     if not free:
         raise OptionError("every tensor's type is fixed (by <tensor_type> overrides); nothing to choose")
     fixed = sum(aligned(t.nbytes, base.alignment) for t in base.tensors if t.gguf_name not in free)
-    placeholder = AutoMix({}, 0, 0, 0.0, {}, False, 0.0)
-    extra = {**provenance.extra, "llmopt.automix": placeholder.metadata(calib.nsamples)}
-    header = aligned(_header_nbytes(source, mix, overrides, output_tensor_type, provenance, extra), base.alignment)
-    params = sum(_numel(t.shape) for t in base.tensors)
+    header = aligned(base.header_nbytes, base.alignment)
+    params = sum(math.prod(t.shape) for t in base.tensors)
     target = target_size if target_size is not None else header + int(target_bpw * params / 8)  # type: ignore[operator]
     least = header + fixed + smallest_nbytes(free, base.alignment)
     if target < least:
@@ -131,20 +135,13 @@ def plan_automatic(source: ModelSource, mix: str | None, *, target_size: int | N
     types, allocation = choose(free, sens, target - header - fixed, base.alignment)
     weights = dict(importance) if importance is not None else sens.importance
     auto = AutoMix(types, target, least, allocation.cost, weights, cached, 0.0 if cached else time.perf_counter() - start)
-    extra["llmopt.automix"] = auto.metadata(calib.nsamples)
+    extra["llmopt.automix"] = _metadata(request, auto.predicted_kld, calib.nsamples)
     label = mix or _nearest_preset(source, allocation.nbytes + fixed)
     final = plan_gguf(source, label, overrides=[*_exact(types), *overrides], output_tensor_type=output_tensor_type,
                       has_imatrix=True, provenance=Provenance(**{**provenance.__dict__, "extra": extra}))  # fmt: skip
     if final.file_nbytes > target:
         raise RuntimeError(f"automatic mix: planned {final.file_nbytes} bytes over the target {target}")
     return final, auto
-
-
-def _header_nbytes(source: ModelSource, mix: str | None, overrides: Sequence[tuple[str, str]],
-                   output_tensor_type: str | None, provenance: Provenance, extra: dict[str, str]) -> int:  # fmt: skip
-    plan = plan_gguf(source, mix or "F16", overrides=overrides, output_tensor_type=output_tensor_type,
-                     has_imatrix=True, provenance=Provenance(**{**provenance.__dict__, "extra": extra}))  # fmt: skip
-    return plan.header_nbytes
 
 
 def _exact(types: Mapping[str, str]) -> list[tuple[str, str]]:
@@ -162,9 +159,3 @@ def _nearest_preset(source: ModelSource, data_nbytes: int) -> str:
     presets = [m for m in MIXES if is_quantized(DEFAULT_TYPE[m])]
     return min(presets, key=lambda m: (abs(size(m) - data_nbytes), m))
 
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

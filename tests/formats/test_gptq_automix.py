@@ -76,3 +76,13 @@ def test_target_bpw_is_refused_where_it_cannot_be_met(tiny_models, tmp_path, cal
     with pytest.raises(OptionError, match="needs `fmt` gptq"):
         quantize(model, tmp_path / "b", method="awq", calib=calib, nsamples=2, seqlen=32, group_size=32,
                  target_bpw=4.0)  # fmt: skip
+
+
+def test_cli_target_bpw_bad_input_is_one_line_exit_2(llmopt_here, tiny_models, tmp_path, calib) -> None:
+    args = ["quantize", tiny_models("llama"), "--method", "gptq", "--group-size", "32", "--calib", calib,
+            "--nsamples", "2", "--seqlen", "32", "--sensitivity-samples", "1"]  # fmt: skip
+    low = llmopt_here(*args, "--target-bpw", "1.0", "-o", tmp_path / "a")
+    assert low.returncode == 2 and "--target-bpw 1.0: the fewest bits" in low.stderr, low.stderr
+    assert len(low.stderr.strip().splitlines()) == 1 and not (tmp_path / "a").exists()
+    awq = llmopt_here(*args, "--target-bpw", "4", "--format", "awq", "-o", tmp_path / "b")
+    assert awq.returncode == 2 and "needs --format gptq" in awq.stderr, awq.stderr

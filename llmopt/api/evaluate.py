@@ -5,34 +5,37 @@ reference, with each file's size, and can plot KL divergence against size."""
 from __future__ import annotations
 
 import gc
+from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from llmopt.errors import InputError, OptionError
-from llmopt.eval.gates import Gate, check_gates
+from llmopt.eval.gates import NEEDS_REF, Gate, check_gates
 from llmopt.eval.pareto import Point, pareto_front, plot_kld_vs_size
 from llmopt.eval.perplexity import EvalResult, evaluate as score, token_windows
 from llmopt.runtime.weights import LoadedModel, load_model
 
 
-def evaluate(model: str | Path, data: str | Path, *, ref: str | Path | None = None, ctx: int = 512, windows: int = 40,
-             max_ppl_increase: float | None = None, min_top1: float | None = None, dtype: str = "auto",
+def evaluate(model: str | Path, data: str | Path, *, ref: str | Path | LoadedModel | None = None, ctx: int = 512,
+             windows: int = 40, max_ppl_increase: float | None = None, min_top1: float | None = None,
+             max_kld: float | None = None, dtype: str = "auto",
              device: str = "auto", packed: bool = False,
              on_window: Callable[[int, int], None] | None = None) -> tuple[EvalResult, list[Gate], dict[str, Any]]:  # fmt: skip
     """Score `model` on the first `windows` windows of `ctx` tokens of the text file `data`.
-    Returns the result, the gates (perplexity rise in %, top-1 agreement in %) and a JSON summary;
-    the caller decides what a failed gate means (the CLI exits 1)."""
-    _check_gates(ref, max_ppl_increase, min_top1)
+    `ref` may be a model already loaded (`load`), to score several models against it.
+    Returns the result, the gates (perplexity rise in %, top-1 agreement in %, KL in nats) and a
+    JSON summary; the caller decides what a failed gate means (the CLI exits 1)."""
+    gates = _Gates(max_ppl_increase, min_top1, max_kld)
+    _check_gates(ref, gates)
     text = _read(data)
-    reference = load_model(str(ref), dtype, device, packed) if ref is not None else None
-    return _score(load_model(str(model), dtype, device, packed), text, data, reference, ctx, windows,
-                  max_ppl_increase, min_top1, on_window)  # fmt: skip
+    reference = _reference(ref, dtype, device, packed)
+    return _score(load_model(str(model), dtype, device, packed), text, data, reference, ctx, windows, gates, on_window)
 
 
 def evaluate_files(models: Sequence[str | Path], data: str | Path, *, ref: str | Path | None = None, ctx: int = 512,
                    windows: int = 40, max_ppl_increase: float | None = None, min_top1: float | None = None,
-                   dtype: str = "auto", device: str = "auto", packed: bool = False, plot: str | Path | None = None,
+                   max_kld: float | None = None, dtype: str = "auto", device: str = "auto", packed: bool = False, plot: str | Path | None = None,
                    on_window: Callable[[int, int, int], None] | None = None) -> list[tuple[EvalResult, list[Gate], dict[str, Any]]]:  # fmt: skip
     """`evaluate` for each of `models` against one reference (loaded once; one model in memory
     besides it), each summary with the file's size (`bytes`) and bits per weight. With `plot`, a
@@ -41,19 +44,20 @@ def evaluate_files(models: Sequence[str | Path], data: str | Path, *, ref: str |
         raise OptionError("give at least one model to evaluate")
     if plot is not None and ref is None:
         raise OptionError("<plot> draws KL divergence against a reference: give <ref> MODEL")
-    _check_gates(ref, max_ppl_increase, min_top1)
+    gates = _Gates(max_ppl_increase, min_top1, max_kld)
+    _check_gates(ref, gates)
     text = _read(data)
-    reference = load_model(str(ref), dtype, device, packed) if ref is not None else None
+    reference = _reference(ref, dtype, device, packed)
     params = None if reference is None else _parameters(reference)
     rows = []
     for i, model in enumerate(models):
         target = load_model(str(model), dtype, device, packed)
         count = params or _parameters(target)
-        result, gates, summary = _score(target, text, data, reference, ctx, windows, max_ppl_increase, min_top1,
-                                        None if on_window is None else lambda d, t, i=i: on_window(i, d, t))  # fmt: skip
+        result, checked, summary = _score(target, text, data, reference, ctx, windows, gates,
+                                          None if on_window is None else lambda d, t, i=i: on_window(i, d, t))  # fmt: skip
         summary["bytes"] = weights_nbytes(Path(target.path))
         summary["bits_per_weight"] = round(8 * summary["bytes"] / count, 3)
-        rows.append((result, gates, summary))
+        rows.append((result, checked, summary))
         del target
         gc.collect()
     if reference is not None:
@@ -78,9 +82,22 @@ def _parameters(loaded: LoadedModel) -> int:
     return sum(p.numel() for p in {p.data_ptr(): p for p in loaded.model.parameters()}.values())
 
 
-def _check_gates(ref: object, max_ppl_increase: float | None, min_top1: float | None) -> None:
-    if (max_ppl_increase is not None or min_top1 is not None) and ref is None:
-        raise OptionError("<max_ppl_increase> and <min_top1> compare against a reference: give <ref> MODEL")
+@dataclass(frozen=True)
+class _Gates:
+    max_ppl_increase: float | None
+    min_top1: float | None
+    max_kld: float | None
+
+
+def _check_gates(ref: object, gates: _Gates) -> None:
+    if any(v is not None for v in (gates.max_ppl_increase, gates.min_top1, gates.max_kld)) and ref is None:
+        raise OptionError(NEEDS_REF)
+
+
+def _reference(ref: str | Path | LoadedModel | None, dtype: str, device: str, packed: bool) -> LoadedModel | None:
+    if ref is None or isinstance(ref, LoadedModel):
+        return ref
+    return load_model(str(ref), dtype, device, packed)
 
 
 def _read(data: str | Path) -> str:
@@ -91,8 +108,7 @@ def _read(data: str | Path) -> str:
 
 
 def _score(target: LoadedModel, text: str, data: str | Path, reference: LoadedModel | None, ctx: int, windows: int,
-           max_ppl_increase: float | None, min_top1: float | None,
-           on_window: Callable[[int, int], None] | None) -> tuple[EvalResult, list[Gate], dict[str, Any]]:  # fmt: skip
+           gates: _Gates, on_window: Callable[[int, int], None] | None) -> tuple[EvalResult, list[Gate], dict[str, Any]]:  # fmt: skip
     if target.tokenizer is None:
         raise InputError(f"{target.path}: has no tokenizer, so it cannot read text")
     chunks = token_windows(target.tokenizer.encode(text), ctx, windows)
@@ -105,8 +121,8 @@ def _score(target: LoadedModel, text: str, data: str | Path, reference: LoadedMo
     total = chunks.shape[0]
     result = score(target.model, chunks, reference.model if reference else None,
                    on_window=None if on_window is None else lambda i: on_window(i + 1, total))  # fmt: skip
-    gates = check_gates(result, max_ppl_increase, min_top1)
+    checked = check_gates(result, gates.max_ppl_increase, gates.min_top1, gates.max_kld)
     summary = {"model": target.path, "ref": reference.path if reference else None, "data": str(data),
                "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
-               **result.to_dict(), "gates": [g.__dict__ for g in gates], "passed": all(g.passed for g in gates)}  # fmt: skip
-    return result, gates, summary
+               **result.to_dict(), "gates": [g.__dict__ for g in checked], "passed": all(g.passed for g in checked)}  # fmt: skip
+    return result, checked, summary

@@ -26,6 +26,7 @@ def eval_command(
     windows: Annotated[int, typer.Option("--windows", help="Number of windows from the start of the text (0 = all).")] = 40,
     max_ppl_increase: Annotated[Optional[float], typer.Option("--max-ppl-increase", help="Gate: fail if perplexity rises more than PCT % over --ref.")] = None,
     min_top1: Annotated[Optional[float], typer.Option("--min-top1", help="Gate: fail if top-1 agreement with --ref is below PCT %.")] = None,
+    max_kld: Annotated[Optional[float], typer.Option("--max-kld", help="Gate: fail if the mean KL divergence from --ref exceeds NATS per token.")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="With --ref: write a PNG of KL divergence against file size (the Pareto view).", show_default=False)] = None,
     threads: ThreadsOpt = 0,
     packed: PackedOpt = False,
@@ -45,7 +46,7 @@ def eval_command(
             progress.update(task, completed=done, total=total, description=f"eval {Path(models[i]).name}")
 
         rows = evaluate_files(models, data, ref=ref, ctx=ctx_len, windows=windows, max_ppl_increase=max_ppl_increase,
-                              min_top1=min_top1, dtype=dtype, device=opts.device, packed=packed, plot=plot,
+                              min_top1=min_top1, max_kld=max_kld, dtype=dtype, device=opts.device, packed=packed, plot=plot,
                               on_window=on_window)  # fmt: skip
     failed = [g for _, gates, _ in rows for g in gates if not g.passed]
     if opts.json:

@@ -70,7 +70,7 @@ def plan_gguf_file(model: str | Path, mix: str | None = None, *, imatrix: str | 
     target, the automatic mix (measured, or read from the cache beside `output`) and its predicted KL."""
     target = _Target.of(target_size, target_bpw, calib, calib_field, sensitivity_samples, seqlen, seed, output)
     with open_model(model) as source:
-        plan, _, summary, _ = _plan(source, mix, imatrix, tensor_types, output_tensor_type, command, target=target,
+        plan, _, summary, _ = _plan(source, mix, imatrix, tensor_types, output_tensor_type, Provenance(command), target=target,
                                     device=resolve_device(device) if target else "cpu", on_step=on_step)  # fmt: skip
     return plan, summary
 
@@ -78,7 +78,7 @@ def plan_gguf_file(model: str | Path, mix: str | None = None, *, imatrix: str | 
 def convert_to_gguf(model: str | Path, output: str | Path, mix: str | None = None, *,
                     imatrix: str | Path | None = None, tensor_types: Sequence[str] = (),
                     output_tensor_type: str | None = None, force: bool = False, command: str | None = None,
-                    method: str | None = None, target_size: str | int | None = None, target_bpw: float | None = None,
+                    name: str | None = None, imatrix_name: str | None = None, method: str | None = None, target_size: str | int | None = None, target_bpw: float | None = None,
                     sensitivity_samples: int = 32, calib: str | None = None, calib_field: str | None = None,
                     nsamples: int = 128, seqlen: int = 512, seed: int = 0, calib_dtype: str = "auto",
                     damp: float = 0.01, act_order: bool = False, static_groups: bool = False,
@@ -92,7 +92,9 @@ def convert_to_gguf(model: str | Path, output: str | Path, mix: str | None = Non
 
     `imatrix` is an importance-matrix file (llama.cpp GGUF or .dat); `tensor_types` are
     `REGEX=TYPE` overrides and `output_tensor_type` the type of output.weight, as llama-quantize's
-    --tensor-type and --output-tensor-type. `command` is recorded in the file (`llmopt.command`).
+    --tensor-type and --output-tensor-type. `command` is recorded in the file (`llmopt.command`),
+    `name` as `general.name` (default: the source's name) and `imatrix_name` as
+    `quantize.imatrix.file` (default: `imatrix` as given).
     With `method` ("gptq", "awq", "awq+gptq") the block linears are not rounded by llama.cpp's
     searches but by that method onto the same per-tensor types, calibrated on `calib` (as
     `quantize`); the file has exactly the types and size of the mix (with an imatrix: a calibrated
@@ -115,7 +117,7 @@ def convert_to_gguf(model: str | Path, output: str | Path, mix: str | None = Non
         spec = tokens = calib_info = None
         if method is not None:
             if target is None:
-                plan, _, _, _ = _plan(source, mix, imatrix, tensor_types, output_tensor_type, command, True)
+                plan, _, _, _ = _plan(source, mix, imatrix, tensor_types, output_tensor_type, Provenance(command, name), True)
                 if not any(t.type_name in GRIDS for t in plan.tensors):
                     raise OptionError(f"<method> {method} rounds onto quantized types; {plan.mix} has none")
             spec = build_spec(method, act_order=act_order, static_groups=static_groups, damp=damp, gptaq=gptaq,
@@ -124,8 +126,9 @@ def convert_to_gguf(model: str | Path, output: str | Path, mix: str | None = Non
             cfg = CalibConfig(calib or SELF, calib_field, nsamples, seqlen, seed)
             tokens, calib_info = calibrate(source, spec, cfg, dev, on_calibration)
             extra["llmopt.method"] = json.dumps(provenance(spec, calib_info), sort_keys=True)
-        plan, imat, _, auto = _plan(source, mix, imatrix, tensor_types, output_tensor_type, command,
-                                    method is not None, extra, target, dev, on_step)  # fmt: skip
+        prov = Provenance(command, name, imatrix_file=imatrix_name, extra=extra)
+        plan, imat, _, auto = _plan(source, mix, imatrix, tensor_types, output_tensor_type, prov,
+                                    method is not None, target, dev, on_step)  # fmt: skip
         if on_start is not None:
             on_start(plan.data_nbytes)
         importance = auto.importance if auto is not None else None if imat is None else imat.importance()
@@ -176,14 +179,14 @@ class _Target:
 
 
 def _plan(source: ModelSource, mix: str | None, imatrix: str | Path | None, tensor_types: Sequence[str],
-          output_tensor_type: str | None, command: str | None, calibrated: bool = False,
-          extra: dict[str, str] | None = None, target: _Target | None = None, device: torch.device | str = "cpu",
+          output_tensor_type: str | None, prov: Provenance, calibrated: bool = False,
+          target: _Target | None = None, device: torch.device | str = "cpu",
           on_step: Callable[[str, int, int], None] | None = None):  # noqa: ANN202
     overrides = parse_overrides(tensor_types)
     imat = read_imatrix(Path(imatrix)) if imatrix is not None else None
-    prov = Provenance(command=command, extra=dict(extra or {}))
+    prov = dataclasses.replace(prov, extra=dict(prov.extra))
     if imat is not None:
-        prov.imatrix_file = str(imatrix)
+        prov.imatrix_file = prov.imatrix_file or str(imatrix)
         prov.imatrix_datasets = imat.datasets
         prov.imatrix_entries = len(imat.sums)
         prov.imatrix_chunks = imat.chunk_count

@@ -93,6 +93,7 @@ class Provenance:
     """What goes into the file about how it was made (llmopt.* and llama.cpp's quantize.imatrix.* keys)."""
 
     command: str | None = None
+    name: str | None = None  # general.name (default: the source's file or folder name)
     imatrix_file: str | None = None
     imatrix_datasets: list[str] = field(default_factory=list)
     imatrix_entries: int | None = None
@@ -294,6 +295,7 @@ def gguf_metadata(source: ModelSource, mix: str, provenance: Provenance) -> dict
     """Summary of what the header says (for --dry-run and reports); the writer adds the same keys."""
     return {
         "general.architecture": source.arch.family.gguf_arch,
+        **({"general.name": provenance.name} if provenance.name else {}),
         "general.file_type": file_type(mix),
         "general.quantization_version": QUANTIZATION_VERSION,
         "llmopt.version": llmopt.__version__,
@@ -351,7 +353,7 @@ def _open_writer(path: Path, source: ModelSource, plan: GgufPlan) -> gguf.GGUFWr
 
 def _add_header(w: gguf.GGUFWriter, arch: ArchSpec, plan: GgufPlan, source: ModelSource) -> None:
     meta = plan.metadata
-    w.add_name(source.path.name.removesuffix(".gguf"))
+    w.add_name(plan.metadata.get("general.name") or source.path.name.removesuffix(".gguf"))
     w.add_file_type(meta["general.file_type"])
     w.add_quantization_version(QUANTIZATION_VERSION)
     w.add_string(gguf.Keys.General.QUANTIZED_BY, f"llmopt {llmopt.__version__}")

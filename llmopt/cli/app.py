@@ -18,6 +18,7 @@ from llmopt.cli import imatrix as imatrix_cmd
 from llmopt.cli import eval as eval_cmd, generate
 from llmopt.cli import quantize
 from llmopt.cli import recommend
+from llmopt.cli import run as run_cmd
 from llmopt.cli.common import DeviceOpt, JsonOpt, Settings, VerboseOpt, err
 from llmopt.cli.flags import flag
 from rich.markup import escape
@@ -39,6 +40,8 @@ app.command("generate")(generate.generate_command)
 app.command("eval")(eval_cmd.eval_command)
 app.command("quantize")(quantize.quantize_command)
 app.command("recommend")(recommend.recommend_command)
+app.command("run")(run_cmd.run_command)
+app.add_typer(run_cmd.manifest_app, name="manifest")
 
 
 def _version(value: bool) -> None:

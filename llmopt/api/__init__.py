@@ -8,6 +8,7 @@ flags, calls these, and renders their results. They take the same options as key
     llmopt.convert_to_hf("SmolLM2.gguf", "smollm2")
     llmopt.quantize("smollm2", "smollm2-gptq", method="gptq", bits=4, calib="wiki.txt")
     print(llmopt.generate("smollm2-gptq", "The capital of France is", max_tokens=16).text)
+    llmopt.run_recipe("release.yaml", only=["q4km"])
 """
 
 from llmopt.api.convert import convert_to_gguf, convert_to_hf, plan_gguf_file
@@ -17,6 +18,7 @@ from llmopt.api.imatrix import imatrix
 from llmopt.api.inspect import inspect
 from llmopt.api.quantize import QuantizeResult, quantize
 from llmopt.api.recommend import recommend
+from llmopt.api.run import merge_manifests, plan_recipe, run_recipe
 
 __all__ = ["QuantizeResult", "convert_to_gguf", "convert_to_hf", "evaluate", "evaluate_files", "generate", "imatrix", "inspect", "load",
-           "plan_gguf_file", "quantize", "recommend"]
+           "merge_manifests", "plan_gguf_file", "plan_recipe", "quantize", "recommend", "run_recipe"]

@@ -1,4 +1,4 @@
-"""`run` and `merge_manifests`: a recipe's outputs made, scored and recorded (llmopt.recipe)."""
+"""`run` and `merge_manifests`: a recipe's outputs made, scored and recorded (llmopt.api.recipe)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from llmopt.recipe.load import load_recipe
-from llmopt.recipe.manifest import append_step_summary, merge, summary_markdown, write_json, write_text
-from llmopt.recipe.plan import plan_run
-from llmopt.recipe.run import RunResult, dry_run, execute
+from llmopt.api.recipe.load import load_recipe
+from llmopt.api.recipe.manifest import append_step_summary, merge, summary_markdown, write_json, write_text
+from llmopt.api.recipe.plan import plan_run
+from llmopt.api.recipe.run import RunResult, dry_run, execute
 
 
-def run(recipe: str | Path, *, only: Sequence[str] = (), output_dir: str | Path | None = None,
+def run_recipe(recipe: str | Path, *, only: Sequence[str] = (), output_dir: str | Path | None = None,
         cache: str | Path | None = None, force: bool = False, device: str = "auto",
         on_event: Callable[[dict[str, Any]], None] | None = None) -> RunResult:  # fmt: skip
     """Make every output of `recipe` (or those named in `only`) that is not already finished with
@@ -23,9 +23,9 @@ def run(recipe: str | Path, *, only: Sequence[str] = (), output_dir: str | Path 
     return execute(plan, force=force, device=device, on_event=on_event)
 
 
-def plan(recipe: str | Path, *, only: Sequence[str] = (), output_dir: str | Path | None = None,
+def plan_recipe(recipe: str | Path, *, only: Sequence[str] = (), output_dir: str | Path | None = None,
          cache: str | Path | None = None) -> dict[str, Any]:  # fmt: skip
-    """What `run` would do (`--dry-run`): the shared steps, each output's target, predicted size and state."""
+    """What `run_recipe` would do (`--dry-run`): the shared steps, each output's target, predicted size and state."""
     return dry_run(plan_run(load_recipe(recipe), list(only), _path(output_dir), _path(cache)))
 
 

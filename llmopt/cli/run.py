@@ -31,11 +31,11 @@ def run_command(
     are skipped, so a rerun after a crash finishes the job. Exit 1 when a gate fails (the other
     outputs still finish), 2 when the recipe or an output's input is bad.
     """
-    from llmopt.api.run import plan, run
+    from llmopt.api.run import plan_recipe, run_recipe
 
     opts = settings(ctx, json_out, device, verbose)
     if dry_run:
-        p = plan(recipe, only=only or (), output_dir=output_dir, cache=cache)
+        p = plan_recipe(recipe, only=only or (), output_dir=output_dir, cache=cache)
         if opts.json:
             print(json.dumps({"event": "plan", **p}))
         else:
@@ -55,7 +55,7 @@ def run_command(
             elif line:
                 out.print(line)
 
-        result = run(recipe, only=only or (), output_dir=output_dir, cache=cache, force=force, device=opts.device,
+        result = run_recipe(recipe, only=only or (), output_dir=output_dir, cache=cache, force=force, device=opts.device,
                      on_event=on_event)  # fmt: skip
     if not opts.json:
         out.print(f"wrote [bold]{result.manifest_path}[/] and {result.manifest_path.with_name('summary.md').name}")

@@ -28,9 +28,9 @@ from llmopt.model.hub import looks_like_hub_id, resolve_hub_id
 from llmopt.plan.arch_tensors import arch_tensors
 from llmopt.plan.weights import awq_format, gptq_format, packed_weight_size
 from llmopt.quant.spec import build_spec, check_shapes, default_sym
-from llmopt.recipe.fingerprint import HashCache, canonical_sha256
-from llmopt.recipe.load import LoadedRecipe, RecipeError
-from llmopt.recipe.schema import CheckpointOutput, GgufOutput, HfOutput, Output
+from llmopt.api.recipe.fingerprint import HashCache, canonical_sha256
+from llmopt.api.recipe.load import LoadedRecipe, RecipeError
+from llmopt.api.recipe.schema import CheckpointOutput, GgufOutput, HfOutput, Output
 
 STATE = ".llmopt-run"  # per-output records of finished work, inside the output folder
 _QUANT_SUFFIX = re.compile(r"[.-](f16|bf16|f32|q\d[\w]*|iq\d[\w]*)$", re.IGNORECASE)

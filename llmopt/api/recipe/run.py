@@ -27,10 +27,10 @@ from llmopt.api.evaluate import evaluate
 from llmopt.api.imatrix import imatrix as compute_imatrix
 from llmopt.api.quantize import quantize
 from llmopt.errors import InputError, LlmoptError
-from llmopt.recipe.fingerprint import canonical_sha256
-from llmopt.recipe.manifest import FORMAT, append_step_summary, model_card, summary_markdown, versions, write_json, write_text
-from llmopt.recipe.plan import OutputPlan, RunPlan
-from llmopt.recipe.schema import CheckpointOutput, GgufOutput, HfOutput
+from llmopt.api.recipe.fingerprint import canonical_sha256
+from llmopt.api.recipe.manifest import FORMAT, append_step_summary, model_card, summary_markdown, versions, write_json, write_text
+from llmopt.api.recipe.plan import OutputPlan, RunPlan
+from llmopt.api.recipe.schema import CheckpointOutput, GgufOutput, HfOutput
 from llmopt.runtime.weights import LoadedModel, load_model
 
 Event = Callable[[dict[str, Any]], None]

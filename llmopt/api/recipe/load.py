@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from llmopt.calibration.text import PRESETS, SELF
 from llmopt.errors import InputError, OptionError
 from llmopt.model.hub import looks_like_hub_id
-from llmopt.recipe.schema import OUTPUT_KINDS, OUTPUT_NAME, GgufOutput, Output, Recipe
+from llmopt.api.recipe.schema import OUTPUT_KINDS, OUTPUT_NAME, GgufOutput, Output, Recipe
 
 # The library's field names that a recipe spells otherwise (the rest are the same words).
 RECIPE_KEYS = {"mix": "type", "tensor_types": "tensor_type", "fmt": "format", "calib": "calibration.data",

@@ -105,7 +105,7 @@ def model_card(m: dict[str, Any], name: str, recipe_entry: str) -> str:
     """README.md beside an output, with the hub's metadata conventions in its YAML front matter."""
     e = m["outputs"][name]
     fmt = e["format"]
-    base = m["source"]["model"]
+    base = m["source"].get("hub_id") or m["model_name"]  # the hub's base_model names a repository
     tags = ["llmopt", "quantized", fmt] + ([e["type"]] if e.get("type") else [])
     front = ["---", f"base_model: {json.dumps(base)}", "quantized_by: llmopt", "tags:"] + [f"- {t}" for t in tags]
     if fmt in ("gptq", "awq", "dense", "hf"):
@@ -113,7 +113,7 @@ def model_card(m: dict[str, Any], name: str, recipe_entry: str) -> str:
     front.append("---")
     what = e.get("type") or (f"{e['options'].get('bits')}-bit {fmt.upper()}" if fmt in ("gptq", "awq") else fmt)
     body = [f"# {m['model_name']} {what}", "",
-            f"Made with llmopt {m['versions']['llmopt']} from `{base}` (sha256 `{m['source']['sha256'][:16]}`).", "",
+            f"Made with llmopt {m['versions']['llmopt']} from `{m['source']['model']}` (sha256 `{m['source']['sha256'][:16]}`).", "",
             "| file | bytes | bits/weight | sha256 |", "|---|---:|---:|---|"]  # fmt: skip
     for f in e.get("files", []):
         body.append(f"| {f['path']} | {f['bytes']} | {_num(e.get('bits_per_weight')) if len(e['files']) == 1 else ''} | `{f['sha256']}` |")

@@ -22,7 +22,7 @@ from llmopt.calibration.text import PRESETS, SELF
 from llmopt.errors import InputError, OptionError
 from llmopt.formats.checkpoint import check_spec, zero_min
 from llmopt.formats.hf import parse_size
-from llmopt.model import open_model
+from llmopt.model import ModelSource, open_model
 from llmopt.model.arch import ArchSpec
 from llmopt.model.hub import looks_like_hub_id, resolve_hub_id
 from llmopt.plan.arch_tensors import arch_tensors
@@ -54,6 +54,7 @@ class RunPlan:
     cache_dir: Path
     model_name: str
     source: Path  # the model as given, resolved to a local file or folder
+    hub_id: str | None  # the model as given, when it named a hub repository
     source_sha256: str
     source_bytes: int
     calib_sha256: str  # of calibration.data's bytes (a preset: its name; self: "self")
@@ -109,11 +110,12 @@ def plan_run(recipe: LoadedRecipe, only: list[str] | None = None, out_dir: Path 
     if any(o.uses_imatrix for o in outputs):
         chunks, ctx = r.imatrix.chunks or r.calibration.nsamples, r.imatrix.ctx_size or r.calibration.seqlen
         imatrix = cache_dir / f"imatrix-{canonical_sha256([model_key, calib_key, chunks, ctx])[:16]}.gguf"
-    plan = RunPlan(recipe, out_dir, cache_dir, model_name, source, source_sha, source_bytes, calib, working, imatrix,
-                   outputs, hashes)  # fmt: skip
+    hub_id = None if recipe.resolve(r.model).exists() else r.model
+    plan = RunPlan(recipe, out_dir, cache_dir, model_name, source, hub_id, source_sha, source_bytes, calib, working,
+                   imatrix, outputs, hashes)  # fmt: skip
     with open_model(source) as opened:
         for o in outputs:
-            o.predicted_bytes = _preflight(plan, o, opened.arch)
+            o.predicted_bytes = _preflight(plan, o, opened)
             o.fingerprint = canonical_sha256({
                 "llmopt": llmopt.__version__, "model": model_key, "name": model_name, "output": o.name,
                 "recipe": recipe.path.name, "spec": o.spec.model_dump(exclude={"gates"}),
@@ -159,9 +161,9 @@ def _imatrix_file_sha(plan: RunPlan, o: OutputPlan) -> str | None:
     return None
 
 
-def _preflight(plan: RunPlan, o: OutputPlan, arch: ArchSpec) -> int | None:
+def _preflight(plan: RunPlan, o: OutputPlan, source: ModelSource) -> int | None:
     """The library's checks of `o`'s options (errors located in the recipe); the predicted size."""
-    s = o.spec
+    s, arch = o.spec, source.arch
     try:
         if isinstance(s, GgufOutput):
             parse_overrides(s.tensor_types())
@@ -188,8 +190,7 @@ def _preflight(plan: RunPlan, o: OutputPlan, arch: ArchSpec) -> int | None:
         check_spec(spec, fmt)
         if s.target_bpw is not None and fmt != "gptq":
             raise OptionError(f"<target_bpw> writes per-module bits as GPTQModel's `dynamic`: it needs <fmt> gptq, not {fmt}")
-        with open_model(plan.source) as source:
-            check_shapes(source, spec)
+        check_shapes(source, spec)
         if fmt == "dense" or s.target_bpw is not None:
             return _dense_bytes(arch, 2) if fmt == "dense" else None
         shape = gptq_format if fmt == "gptq" else awq_format

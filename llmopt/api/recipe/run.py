@@ -99,7 +99,8 @@ def _manifest_head(plan: RunPlan) -> dict[str, Any]:
     r = plan.recipe
     return {"llmopt_manifest": FORMAT, "model_name": plan.model_name,
             "recipe": {"file": r.path.name, "sha256": canonical_sha256(r.text)},
-            "source": {"model": r.recipe.model, "sha256": plan.source_sha256, "bytes": plan.source_bytes},
+            "source": {"model": r.recipe.model, "hub_id": plan.hub_id, "sha256": plan.source_sha256,
+                       "bytes": plan.source_bytes},
             "versions": versions(), "passed": True, "outputs": {}}  # fmt: skip
 
 

@@ -138,7 +138,10 @@ class HfOutput(_Output):
     format: Literal["hf"]
     dtype: Literal[tuple(DTYPES)] = "float16"  # type: ignore[valid-type]
     max_shard_size: str = "5GB"
-    calibrated: bool = False
+
+    @property
+    def calibrated(self) -> bool:
+        return False
 
 
 Output = Union[GgufOutput, CheckpointOutput, HfOutput]

@@ -27,9 +27,7 @@ def run_command(
 ) -> None:
     """Make every output of a recipe: shared steps once, then each output built, scored and gated.
 
-    Finished outputs whose fingerprint (source, recipe entry, calibration, llmopt version) matches
-    are skipped, so a rerun after a crash finishes the job. Exit 1 when a gate fails (the other
-    outputs still finish), 2 when the recipe or an output's input is bad.
+    Finished outputs whose fingerprint (source, recipe entry, calibration, llmopt version) matches are skipped, so a rerun after a crash finishes the job. Exit 1 when a gate fails (the other outputs still finish), 2 when the recipe or an output's input is bad. See docs/ci.md.
     """
     from llmopt.api.run import plan_recipe, run_recipe
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -32,7 +34,7 @@ def generate(model: str | Path | LoadedModel, prompt: str, *, max_tokens: int = 
     sampling = check_options(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                              repetition_penalty=repetition_penalty, chat=chat, system=system, draft=draft,
                              num_draft=num_draft, prompt_lookup=prompt_lookup, prefill_chunk=prefill_chunk,
-                             max_tokens=max_tokens)  # fmt: skip
+                             max_tokens=max_tokens, seed=seed)  # fmt: skip
     target = model if isinstance(model, LoadedModel) else load(model, dtype=dtype, device=device, packed=packed)
     tok = target.tokenizer
     if tok is None:
@@ -41,6 +43,7 @@ def generate(model: str | Path | LoadedModel, prompt: str, *, max_tokens: int = 
         ids = tok.tokenizer.encode(apply_chat_template(tok, prompt, system), add_special_tokens=False).ids
     else:
         ids = tok.encode(prompt)
+    max_tokens = _fit_context(len(ids), max_tokens, target.model.arch.max_position_embeddings)
     drafter = None
     if draft:
         d = load(draft, dtype=dtype, device=device, packed=packed)
@@ -56,8 +59,10 @@ def generate(model: str | Path | LoadedModel, prompt: str, *, max_tokens: int = 
 def check_options(*, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                   repetition_penalty: float = 1.0, chat: bool = False, system: str | None = None,
                   draft: str | Path | None = None, num_draft: int = 4, prompt_lookup: int = 0, prefill_chunk: int = 512,
-                  max_tokens: int = 256) -> SamplingConfig:  # fmt: skip
+                  max_tokens: int = 256, seed: int | None = None) -> SamplingConfig:  # fmt: skip
     """Refuse option combinations `generate` cannot run, before any model is loaded; the sampling config."""
+    if seed is not None and not 0 <= seed < 2**64:
+        raise OptionError(f"<seed> {seed}: expected 0 to 2**64 - 1 (torch's generator seed)")
     if draft and prompt_lookup:
         raise OptionError("choose one of <draft> and <prompt_lookup>")
     if prompt_lookup < 0 or num_draft < 1 or prefill_chunk < 1:
@@ -69,3 +74,16 @@ def check_options(*, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.
     sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty)
     sampling.check()
     return sampling
+
+
+def _fit_context(prompt_tokens: int, max_tokens: int, context: int) -> int:
+    """`max_tokens`, cut to what the model's context leaves after the prompt (as llama.cpp stops at
+    n_ctx), with a warning; a prompt that fills the context is an error."""
+    if prompt_tokens >= context:
+        raise OptionError(f"the prompt has {prompt_tokens} tokens; the model's context is {context}")
+    room = context - prompt_tokens
+    if max_tokens > room:
+        logging.getLogger(__name__).warning("max_tokens %d is more than the context leaves after the prompt; "
+                                            "generating at most %d tokens", max_tokens, room)
+        return room
+    return max_tokens

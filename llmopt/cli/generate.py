@@ -69,7 +69,7 @@ def generate_command(
     text = read_prompt(prompt, prompt_file)
     check_options(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                   chat=chat, system=system, draft=draft, num_draft=num_draft, prompt_lookup=prompt_lookup,
-                  prefill_chunk=prefill_chunk, max_tokens=max_tokens)  # fmt: skip
+                  prefill_chunk=prefill_chunk, max_tokens=max_tokens, seed=seed)  # fmt: skip
     target = load(model, dtype=dtype, device=opts.device, packed=packed)
     on_text = None if opts.json else (lambda piece: out.print(piece, end="", markup=False, highlight=False, soft_wrap=True))
     result = generate(target, text, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,

@@ -66,3 +66,25 @@ def test_bad_input_is_one_line_exit_2(llmopt_here, tiny_models, args, expect):
 def test_missing_prompt_file_and_model(llmopt_here, tiny_models, tmp_path):
     assert_clean_failure(llmopt_here("generate", tiny_models("llama"), "--prompt-file", tmp_path / "nope.txt"), "cannot read prompt")
     assert_clean_failure(llmopt_here("generate", tmp_path / "nope", "-p", "x"), "no such file")
+
+
+def test_max_tokens_is_cut_to_the_context(llmopt_here, tiny_models, caplog):
+    """A model with a 256-token context asked for 10^20 tokens generates what its context leaves
+    (nothing allocated for the rest), with a warning."""
+    result = llmopt_here("generate", tiny_models("llama"), "-p", "hello", "-n", "99999999999999999999", "--ignore-eos", "--json")
+    assert result.returncode == 0, result.stderr
+    assert "generating at most" in caplog.text
+    import json
+
+    data = json.loads(result.stdout)
+    assert data["metrics"]["prompt_tokens"] + data["metrics"]["generated_tokens"] == 256  # the tiny model's max_position_embeddings
+
+
+def test_prompt_longer_than_the_context(llmopt_here, tiny_models):
+    result = llmopt_here("generate", tiny_models("llama"), "-p", "hello " * 400, "-n", "4")
+    assert result.returncode == 2 and "the model's context is 256" in result.stderr
+
+
+def test_seed_out_of_range(llmopt_here, tiny_models):
+    result = llmopt_here("generate", tiny_models("llama"), "-p", "hi", "--seed", str(2**70))
+    assert result.returncode == 2 and "`--seed` " not in result.stderr and "--seed 1180591620717411303424" in result.stderr

@@ -4,11 +4,17 @@
 `force`; an empty folder counts as free). `AtomicDir` / `AtomicFile` hold the temporary name for a
 writer that works in steps (a sink fed block by block); `atomic_output_dir` / `atomic_output_file`
 wrap them for code that writes in one go.
+
+Temporary names carry the writer's process id (`.NAME.tmp-PID-XXXX`), so the next writer of the
+same target removes what a killed one left (`remove_orphans`: only when that process is gone).
+Before the rename the data and the folder are fsynced, so after a crash of the machine the final
+name holds the whole output or the old one, never a file whose blocks never reached the disk.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -38,18 +44,23 @@ class AtomicDir:
     def __init__(self, target: Path, force: bool = False):
         self.target = check_output(target, force, directory=True)
         parent = _make_parent(self.target)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.tmp-", dir=parent))
+        remove_orphans(parent, self.target.name)
+        self.tmp = Path(tempfile.mkdtemp(prefix=_prefix(self.target, "tmp"), dir=parent))
         self.tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the result should look like mkdir's
 
     def commit(self) -> Path:
         parent = self.target.parent
+        for path in sorted(self.tmp.rglob("*"), reverse=True):  # files before the folders holding them
+            _fsync(path)
+        _fsync(self.tmp)
         if self.target.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.old-", dir=parent))
+            trash = Path(tempfile.mkdtemp(prefix=_prefix(self.target, "old"), dir=parent))
             os.replace(self.target, trash / self.target.name)
             os.replace(self.tmp, self.target)
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.replace(self.tmp, self.target)
+        _fsync(parent)
         return self.target
 
     def discard(self) -> None:
@@ -61,14 +72,16 @@ class AtomicFile:
 
     def __init__(self, target: Path, force: bool = True):
         self.target = check_output(target, force)
-        _make_parent(self.target)
-        fd, name = tempfile.mkstemp(prefix=f".{self.target.name}.tmp-", dir=self.target.parent)
+        remove_orphans(_make_parent(self.target), self.target.name)
+        fd, name = tempfile.mkstemp(prefix=_prefix(self.target, "tmp"), dir=self.target.parent)
         os.close(fd)
         self.tmp = Path(name)
         self.tmp.chmod(0o666 & ~_umask())
 
     def commit(self) -> Path:
+        _fsync(self.tmp)
         os.replace(self.tmp, self.target)
+        _fsync(self.target.parent)
         return self.target
 
     def discard(self) -> None:
@@ -94,6 +107,56 @@ def atomic_output_dir(target: Path, force: bool = False) -> AbstractContextManag
 def atomic_output_file(target: Path, force: bool = True) -> AbstractContextManager[Path]:
     """A temporary file path next to `target`; on success it is renamed to `target`."""
     return _committed(AtomicFile(target, force))
+
+
+_TEMP = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)-[^.]*$")
+
+
+def remove_orphans(folder: Path, name: str | None = None) -> list[Path]:
+    """Remove the temporary files and folders that writers of `name` (any name: None) left in
+    `folder` when they were killed: those whose process is gone. Returns what was removed."""
+    removed = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        m = _TEMP.match(p.name)
+        if m is None or (name is not None and m.group("name") != name) or _alive(int(m.group("pid"))):
+            continue
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # someone else's live process (or not a pid we can ask about): leave it
+    return True
+
+
+def _prefix(target: Path, kind: str) -> str:
+    return f".{target.name}.{kind}-{os.getpid()}-"
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's (or a folder's entries') data to the disk; best effort where the OS refuses."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _umask() -> int:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from llmopt.formats.atomic import atomic_output_file
 
 _CHUNK = 1 << 22
 
@@ -67,7 +68,5 @@ class HashCache:
     def save(self) -> None:
         if self.file is None:
             return
-        self.file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.file.with_name(f".{self.file.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(self.known, indent=0, sort_keys=True))
-        os.replace(tmp, self.file)
+        with atomic_output_file(self.file) as tmp:
+            tmp.write_text(json.dumps(self.known, indent=0, sort_keys=True))

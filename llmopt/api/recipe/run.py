@@ -12,7 +12,6 @@ from __future__ import annotations
 import fcntl
 import json
 import resource
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,6 +26,7 @@ from llmopt.api.evaluate import evaluate
 from llmopt.api.imatrix import imatrix as compute_imatrix
 from llmopt.api.quantize import quantize
 from llmopt.errors import InputError, LlmoptError
+from llmopt.formats.atomic import remove_orphans
 from llmopt.api.recipe.fingerprint import canonical_sha256
 from llmopt.api.recipe.manifest import FORMAT, append_step_summary, model_card, summary_markdown, versions, write_json, write_text
 from llmopt.api.recipe.plan import OutputPlan, RunPlan
@@ -282,10 +282,6 @@ def _lock(folder: Path, wait: bool = False) -> Iterator[None]:
 
 
 def _clean_stale(folder: Path) -> None:
-    """Temporary files and folders of a killed run (`.NAME.tmp-*`, `.NAME.old-*`) in a folder this
-    run writes; safe because the lock says no other run is writing there."""
-    if not folder.is_dir():
-        return
-    for p in folder.iterdir():
-        if p.name.startswith(".") and (".tmp-" in p.name or ".old-" in p.name):
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    """Temporary files and folders that killed runs left in a folder this run writes."""
+    if folder.is_dir():
+        remove_orphans(folder)

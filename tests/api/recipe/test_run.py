@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -137,7 +139,8 @@ def test_gguf_source_gets_one_working_copy_and_stale_temps_go(llmopt_here, tiny_
     (tmp_path / "calib.txt").write_text("hello world, this is calibration text. " * 40)
     (tmp_path / "r.yaml").write_text(f"model: {tiny_ggufs('llama', 'Q8_0')}\noutputs:\n  a: {{format: gguf, type: Q8_0}}\n"
                                      f"  b: {{format: gptq, method: rtn, group_size: 32}}\n")  # fmt: skip
-    stale = tmp_path / "out" / "a" / ".x.gguf.tmp-dead"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / "out" / "a" / f".x.gguf.tmp-{int(gone.stdout)}-abc"  # a killed writer's
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"half a file")
     result = llmopt_here("run", tmp_path / "r.yaml", "--json")

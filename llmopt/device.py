@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from llmopt.errors import OptionError
+from llmopt.names import CALIB_DTYPES, DEVICES
 
-DEVICES = ("auto", "cpu", "cuda")
+if TYPE_CHECKING:
+    import torch
 
 
 def resolve_device(name: str = "auto") -> torch.device:
+    import torch  # here: the CLI imports this module before it knows whether a command needs torch
+
     if name not in DEVICES and not name.startswith("cuda:"):
         raise OptionError(f"bad <device> {name!r}; choose one of {', '.join(DEVICES)}")
     if name == "auto":
@@ -19,12 +23,11 @@ def resolve_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-CALIB_DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
 def native_bf16(device: torch.device) -> bool:
     """Whether `device` multiplies bfloat16 natively (CUDA since Ampere; x86 CPUs with AVX512-BF16 or AMX).
     Elsewhere torch emulates it, slower than float32."""
+    import torch
+
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type != "cpu":
@@ -42,6 +45,8 @@ def native_bf16(device: torch.device) -> bool:
 
 def resolve_calib_dtype(name: str, device: torch.device) -> torch.dtype:
     """`--calib-dtype`: the calibration forward's dtype; auto = bfloat16 where it is native, else float32."""
+    import torch
+
     if name not in CALIB_DTYPES:
         raise OptionError(f"bad <calib_dtype> {name!r}; choose one of {', '.join(CALIB_DTYPES)}")
     if name == "auto":

@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "llmopt"
-BASE_MODULES = {"errors", "device", "memory", "quantized_tensor", "__init__"}  # llmopt/<name>.py: the base layer
+BASE_MODULES = {"errors", "device", "memory", "names", "quantized_tensor", "__init__"}  # llmopt/<name>.py: the base layer
 
 
 def stated_layers() -> list[set[str]]:

@@ -11,14 +11,40 @@ flags, calls these, and renders their results. They take the same options as key
     llmopt.run_recipe("release.yaml", only=["q4km"])
 """
 
-from llmopt.api.convert import convert_to_gguf, convert_to_hf, plan_gguf_file
-from llmopt.api.evaluate import evaluate, evaluate_files
-from llmopt.api.generate import generate, load
-from llmopt.api.imatrix import imatrix
-from llmopt.api.inspect import inspect
-from llmopt.api.quantize import QuantizeResult, quantize
-from llmopt.api.recommend import recommend
-from llmopt.api.run import merge_manifests, plan_recipe, run_recipe
+from __future__ import annotations
 
-__all__ = ["QuantizeResult", "convert_to_gguf", "convert_to_hf", "evaluate", "evaluate_files", "generate", "imatrix", "inspect", "load",
-           "merge_manifests", "plan_gguf_file", "plan_recipe", "quantize", "recommend", "run_recipe"]
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llmopt.api.convert import convert_to_gguf, convert_to_hf, plan_gguf_file
+    from llmopt.api.evaluate import evaluate, evaluate_files
+    from llmopt.api.generate import generate, load
+    from llmopt.api.imatrix import imatrix
+    from llmopt.api.inspect import inspect
+    from llmopt.api.quantize import QuantizeResult, quantize
+    from llmopt.api.recommend import recommend
+    from llmopt.api.run import merge_manifests, plan_recipe, run_recipe
+
+# Each name is loaded with its module on first use: `llmopt recommend` imports llmopt.api.recommend
+# without torch, which the other commands' modules need. A command's function has its module's name
+# (`quantize` in llmopt/api/quantize.py), and importing a submodule sets the package's attribute to
+# the module, so the package's attribute lookup itself answers these names with the function.
+_WHERE = {"QuantizeResult": "quantize", "convert_to_gguf": "convert", "convert_to_hf": "convert", "evaluate": "evaluate",
+          "evaluate_files": "evaluate", "generate": "generate", "load": "generate", "imatrix": "imatrix",
+          "inspect": "inspect", "plan_gguf_file": "convert", "quantize": "quantize", "recommend": "recommend",
+          "merge_manifests": "run", "plan_recipe": "run", "run_recipe": "run"}  # fmt: skip
+__all__ = sorted(_WHERE)
+
+
+class _Api(types.ModuleType):
+    def __getattribute__(self, name: str) -> Any:
+        if name in _WHERE:
+            return getattr(importlib.import_module(f"llmopt.api.{_WHERE[name]}"), name)
+        return super().__getattribute__(name)
+
+
+sys.modules[__name__].__class__ = _Api
+

@@ -10,7 +10,6 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.console import Console
 
-from llmopt.device import resolve_device
 
 # Human output on stdout; progress, logs and errors on stderr (so --json leaves stdout clean).
 out = Console(highlight=False)
@@ -34,7 +33,10 @@ def settings(ctx: typer.Context, json_out: bool = False, device: str | None = No
     """Merge the options given before the command (`llmopt --json inspect`) with those after it."""
     root: Settings = ctx.find_root().obj or Settings()
     s = Settings(json=root.json or json_out, device=device or root.device, verbose=max(root.verbose, verbose))
-    resolve_device(s.device)  # validate early: bad names and missing CUDA are usage errors
+    if s.device != "auto":  # validate early: bad names and missing CUDA are usage errors (auto needs no torch yet)
+        from llmopt.device import resolve_device
+
+        resolve_device(s.device)
     logging.basicConfig(level=logging.WARNING - 10 * min(s.verbose, 2), format="%(levelname)s %(name)s: %(message)s")
     return s
 

@@ -18,13 +18,12 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from llmopt.api.convert import convert_to_gguf, convert_to_hf, plan_gguf_file
 from llmopt.cli.common import DeviceOpt, ForceOpt, ShardSizeOpt, JsonOpt, VerboseOpt, emit_json, err, human_bytes, out, settings
 from llmopt.cli.options import (ActOrderOpt, BatchSizeOpt, CalibDtypeOpt, CalibFieldOpt, CalibOpt, ClipOpt, DampOpt,
                                 GptaqOpt, GroupAwareOpt, NSamplesOpt, SeedOpt, SeqlenOpt, StaticGroupsOpt)
 from llmopt.errors import OptionError
 from llmopt.formats.gguf.mixes import MIXES
-from llmopt.formats.hf import DTYPES
+from llmopt.names import FLOAT_DTYPES
 
 
 class Target(str, Enum):
@@ -32,7 +31,7 @@ class Target(str, Enum):
     gguf = "gguf"
 
 
-DType = Enum("DType", {name: name for name in DTYPES}, type=str)  # the HF writer's dtypes, as choices
+DType = Enum("DType", {name: name for name in FLOAT_DTYPES}, type=str)  # the HF writer's dtypes, as choices
 
 
 def convert_command(
@@ -70,6 +69,8 @@ def convert_command(
     verbose: VerboseOpt = 0,
 ) -> None:
     """Convert a model: GGUF -> HF safetensors, or HF/GGUF -> GGUF of any llama.cpp type or mix."""
+    from llmopt.api.convert import convert_to_hf  # here, not at the top: `llmopt --help` starts without torch
+
     opts = settings(ctx, json_out, device, verbose)
     method_options = dict(method=method, calib=calib, calib_field=calib_field, nsamples=nsamples, seqlen=seqlen,
                           seed=seed, calib_dtype=calib_dtype, damp=damp, act_order=act_order,
@@ -104,6 +105,8 @@ def _to_gguf(model: str, output: Path | None, mix: str | None, *, imatrix: Path 
              method_options: dict, target_options: dict) -> None:  # fmt: skip
     """Plan, then (unless --dry-run) write a GGUF of `model` under `mix` (with a method: calibrated;
     with a target: the automatic mix)."""
+    from llmopt.api.convert import convert_to_gguf, plan_gguf_file
+
     command = shlex.join(["llmopt", *(a for a in sys.argv[1:] if a != "--dry-run")])
     automatic = target_options["target_size"] is not None or target_options["target_bpw"] is not None
     name = f"{Path(model).name} → {mix or ('automatic mix' if automatic else 'F16')}"

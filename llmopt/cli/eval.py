@@ -10,11 +10,9 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from llmopt.api.evaluate import evaluate_files
 from llmopt.cli.common import DeviceOpt, JsonOpt, VerboseOpt, emit_json, err, human_bytes, out, settings
 from llmopt.cli.generate import DTypeOpt, PackedOpt, ThreadsOpt
 from llmopt.errors import CheckFailed
-from llmopt.runtime.weights import set_threads
 
 
 def eval_command(
@@ -36,6 +34,9 @@ def eval_command(
     verbose: VerboseOpt = 0,
 ) -> None:
     """Perplexity over non-overlapping windows; with --ref, KL divergence and top-1 agreement too."""
+    from llmopt.api.evaluate import evaluate_files  # here, not at the top: `llmopt --help` starts without torch
+    from llmopt.runtime.weights import set_threads
+
     opts = settings(ctx, json_out, device, verbose)
     set_threads(threads)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),

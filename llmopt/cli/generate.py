@@ -8,10 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmopt.api.generate import check_options, generate, load
 from llmopt.cli.common import DeviceOpt, JsonOpt, VerboseOpt, emit_json, err, out, settings
 from llmopt.errors import InputError, OptionError
-from llmopt.runtime.weights import set_threads
 
 
 # Options shared with `llmopt eval`.
@@ -64,6 +62,9 @@ def generate_command(
     verbose: VerboseOpt = 0,
 ) -> None:
     """Generate text with the built-in runtime (KV cache; optional speculative decoding)."""
+    from llmopt.api.generate import check_options, generate, load  # here, not at the top: `llmopt --help` starts without torch
+    from llmopt.runtime.weights import set_threads
+
     opts = settings(ctx, json_out, device, verbose)
     set_threads(threads)
     text = read_prompt(prompt, prompt_file)

@@ -7,7 +7,6 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from llmopt.api.inspect import inspect
 from llmopt.cli.common import DeviceOpt, JsonOpt, VerboseOpt, emit_json, human_bytes, human_count, out, settings
 
 
@@ -20,6 +19,8 @@ def inspect_command(
     verbose: VerboseOpt = 0,
 ) -> None:
     """Summarize a model: architecture, parameters, tensor types, bits per weight, tokenizer, metadata."""
+    from llmopt.api.inspect import inspect  # here, not at the top: `llmopt --help` starts without torch
+
     opts = settings(ctx, json_out, device, verbose)
     info = inspect(model, tensors=tensors)
     if opts.json:

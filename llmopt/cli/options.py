@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmopt.device import CALIB_DTYPES
+from llmopt.names import CALIB_DTYPES
 
 ActOrderOpt = Annotated[bool, typer.Option("--act-order", help="GPTQ: quantize columns by decreasing activation energy (desc_act).")]
 GroupAwareOpt = Annotated[Optional[bool], typer.Option("--group-aware-order/--no-group-aware-order", help="GPTQ: act-order inside contiguous groups (GPTQModel's act_group_aware; no g_idx). On by default with groups, unless --act-order or --static-groups.", show_default=False)]

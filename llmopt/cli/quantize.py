@@ -6,26 +6,26 @@ from __future__ import annotations
 import json
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from llmopt.api.quantize import quantize
 from llmopt.cli.common import DeviceOpt, ForceOpt, ShardSizeOpt, JsonOpt, VerboseOpt, emit_json, err, out, settings
 from llmopt.cli.options import (ActOrderOpt, BatchSizeOpt, CalibDtypeOpt, CalibFieldOpt, CalibOpt, ClipOpt, DampOpt,
                                 GptaqOpt, GroupAwareOpt, NSamplesOpt, SeedOpt, SeqlenOpt, StaticGroupsOpt)
 from llmopt.errors import InputError
 from llmopt.formats.atomic import atomic_output_file
-from llmopt.formats.checkpoint import FORMATS
 from llmopt.model.families.base import HEAD
-from llmopt.quant.pipeline import BlockResult, LayerReport
-from llmopt.quant.spec import METHODS
+from llmopt.names import CHECKPOINT_FORMATS, METHODS
+
+if TYPE_CHECKING:
+    from llmopt.quant.pipeline import BlockResult, LayerReport
 
 
 Method = Enum("Method", {name: name for name in METHODS}, type=str)  # the library's lists, as choices
-Format = Enum("Format", {name: name for name in FORMATS}, type=str)
+Format = Enum("Format", {name: name for name in CHECKPOINT_FORMATS}, type=str)
 
 
 def quantize_command(
@@ -63,6 +63,8 @@ def quantize_command(
     verbose: VerboseOpt = 0,
 ) -> None:
     """Quantize a model's linear layers one decoder block at a time (RTN or GPTQ) and write a checkpoint."""
+    from llmopt.api.quantize import quantize  # here, not at the top: `llmopt --help` starts without torch
+
     opts = settings(ctx, json_out, device, verbose)
     if report is not None and report.expanduser().is_dir():
         raise InputError(f"--report {report}: is a directory")

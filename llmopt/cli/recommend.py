@@ -8,7 +8,6 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from llmopt.api.recommend import recommend
 from llmopt.cli.common import JsonOpt, VerboseOpt, emit_json, out, settings
 from llmopt.plan.gpus import GIB
 from llmopt.plan.recommend import Row
@@ -30,6 +29,8 @@ def recommend_command(
     verbose: VerboseOpt = 0,
 ) -> None:
     """Which quantization of which model fits in memory, with exact sizes and speed upper bounds."""
+    from llmopt.api.recommend import recommend
+
     opts = settings(ctx, json_out, None, verbose)
     data = recommend(mem=mem, model=model, params=params, context=context, batch=batch, kv_dtype=kv_dtype, gpu=gpu,
                      bandwidth=bandwidth, tp=tp, use_case=use_case)

@@ -28,6 +28,7 @@ from llmopt.formats import awq, gptq
 from llmopt.formats.atomic import AtomicDir
 from llmopt.formats.safetensors_stream import PlannedTensor, ShardedWriter
 from llmopt.model.source import ModelSource
+from llmopt.names import CHECKPOINT_FORMATS
 from llmopt.quant.pipeline import HEAD, BlockResult, QuantizeSpec, head_weight_name, quantized_modules
 from llmopt.quantized_tensor import QuantizedTensor
 
@@ -69,7 +70,8 @@ class Dense:
 
 
 LAYOUTS: dict[str, Layout] = {"gptq": gptq.LAYOUT, "awq": awq.LAYOUT, "dense": Dense()}
-FORMATS = tuple(LAYOUTS)
+FORMATS = CHECKPOINT_FORMATS
+assert tuple(LAYOUTS) == FORMATS, "llmopt/names.py lists the formats LAYOUTS writes"
 
 
 def layout(fmt: str) -> Layout:

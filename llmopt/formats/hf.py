@@ -12,13 +12,15 @@ from pathlib import Path
 
 import torch
 
+from llmopt.names import FLOAT_DTYPES
+
 import llmopt
 from llmopt.errors import OptionError
 from llmopt.formats.atomic import atomic_output_dir
 from llmopt.formats.safetensors_stream import ITEMSIZE, PlannedTensor, write_sharded
 from llmopt.model.source import ModelSource
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = {name: getattr(torch, name) for name in FLOAT_DTYPES}
 
 
 def parse_size(text: str, option: str = "max_shard_size") -> int:

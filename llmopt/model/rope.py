@@ -8,11 +8,13 @@ planner counts. Both ask `rope_kind` which scaling a config uses, so they cannot
 from __future__ import annotations
 
 import math
-
-import torch
+from typing import TYPE_CHECKING
 
 from llmopt.errors import InputError
 from llmopt.model.arch import ArchSpec
+
+if TYPE_CHECKING:
+    import torch
 
 KINDS = ("default", "linear", "llama3", "yarn")
 ROPE_FREQS = "rope_freqs.weight"  # the GGUF-only tensor of llama3-scaled models
@@ -31,6 +33,8 @@ def gguf_only_tensors(arch: ArchSpec) -> dict[str, tuple[int, ...]]:
 
 def inv_freq(arch: ArchSpec) -> torch.Tensor:
     """Rotary inverse frequencies, with llama3 / linear scaling applied when the config asks for it."""
+    import torch  # here, not at the top: planning (recommend) reads this module without torch
+
     dim = arch.head_dim
     inv = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = arch.rope_scaling or {}
@@ -54,6 +58,8 @@ def inv_freq(arch: ArchSpec) -> torch.Tensor:
 
 def llama3_factors(arch: ArchSpec) -> torch.Tensor | None:
     """llama.cpp's `rope_freqs` for llama3-style scaling (convert_hf_to_gguf computes the same), else None."""
+    import torch  # here, not at the top: planning (recommend) reads this module without torch
+
     if rope_kind(arch) != "llama3":
         return None
     scaling = arch.rope_scaling or {}

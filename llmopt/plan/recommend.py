@@ -17,8 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from llmopt.formats.gguf.automix import candidate_types
-from llmopt.formats.gguf.types import aligned, tensor_nbytes
+from llmopt.formats.gguf.types import aligned, candidate_types, tensor_nbytes
 from llmopt.plan.gpus import GPU, GIB
 from llmopt.plan.gguf_file import gguf_file_bytes
 from llmopt.plan.kv_cache import kv_bytes_per_token

@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 
 from llmopt.errors import InputError, OptionError
+from llmopt.names import METHODS
 from llmopt.model.source import ModelSource
 from llmopt.quant.awq import AWQConfig
 from llmopt.quant.gptq import GPTQConfig
 from llmopt.quant.pipeline import QuantizeSpec, head_weight_name
 from llmopt.quant.rtn import RTNConfig
 
-METHODS = ("rtn", "gptq", "awq", "awq+gptq")
 GPTQ_ONLY = "<act_order>, <group_aware>, <static_groups>, <refit_scales> and <gptaq>"
 
 

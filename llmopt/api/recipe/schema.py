@@ -15,8 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llmopt.calibration.text import SELF
 from llmopt.formats.gguf.mixes import MIXES
-from llmopt.formats.hf import DTYPES
-from llmopt.quant.spec import METHODS
+from llmopt.names import FLOAT_DTYPES, METHODS
 
 OUTPUT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # a folder name on every system
 
@@ -136,7 +135,7 @@ class HfOutput(_Output):
     """`llmopt convert MODEL --to hf`: a dense safetensors directory."""
 
     format: Literal["hf"]
-    dtype: Literal[tuple(DTYPES)] = "float16"  # type: ignore[valid-type]
+    dtype: Literal[FLOAT_DTYPES] = "float16"  # type: ignore[valid-type]
     max_shard_size: str = "5GB"
 
     @property

@@ -23,21 +23,14 @@ import torch
 from llmopt.calibration.samples import CalibConfig, load_calibration
 from llmopt.errors import OptionError
 from llmopt.formats.gguf.mixes import DEFAULT_TYPE, MIXES, allows_quantization, category, gguf_shapes, plan_shapes
-from llmopt.formats.gguf.types import aligned, block_geometry, is_quantized, tensor_nbytes
+from llmopt.formats.gguf.types import CANDIDATES, aligned, candidate_types, is_quantized, tensor_nbytes
 from llmopt.formats.gguf.writer import GgufPlan, Provenance, plan_gguf
 from llmopt.formats.sensitivity import Sensitivities, cache_key, load, measure, save
 from llmopt.model.source import ModelSource
 from llmopt.quant.allocate import Allocation, Option, allocate
 from llmopt.quant.grids import quantize
 
-# The types a tensor may take, from the smallest; each is kept only where the row divides its block.
-CANDIDATES: tuple[str, ...] = ("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "F16")
 ESTIMATOR = "fisher-diagonal/1"  # bump when the cost definition changes: old caches are then ignored
-
-
-def candidate_types(shape: Sequence[int], candidates: Sequence[str] = CANDIDATES) -> list[str]:
-    """The candidate types whose block divides the row length of a tensor of HF `shape`."""
-    return [t for t in candidates if shape[-1] % block_geometry(t)[0] == 0]
 
 
 def rounded(type_name: str, weight: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:

@@ -6,6 +6,7 @@ the ones llama.cpp uses; `tensor_nbytes` is what `--dry-run` and `recommend` add
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -28,8 +29,9 @@ def ggml_type(type_name: str) -> GGMLQuantizationType:
         raise InputError(f"unknown GGML type {type_name!r}; llmopt writes: {', '.join(WRITABLE_TYPES)}") from None
 
 
+@functools.cache
 def block_geometry(type_name: str) -> tuple[int, int]:
-    """(elements per block, bytes per block) of a GGML type."""
+    """(elements per block, bytes per block) of a GGML type (remembered: `recommend` asks it ~10^6 times)."""
     return GGML_QUANT_SIZES[ggml_type(type_name)]
 
 
@@ -58,3 +60,13 @@ def tensor_nbytes(type_name: str, shape: Sequence[int]) -> int:
 def aligned(n: int, alignment: int) -> int:
     """`n` rounded up to a multiple of `alignment`: what a tensor (or the header) takes in the file."""
     return (n + alignment - 1) // alignment * alignment
+
+
+# The types the automatic mix may give a tensor, from the smallest; each is kept only where the row
+# divides its block (`candidate_types`).
+CANDIDATES: tuple[str, ...] = ("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "F16")
+
+
+def candidate_types(shape: Sequence[int], candidates: Sequence[str] = CANDIDATES) -> list[str]:
+    """The candidate types whose block divides the row length of a tensor of HF `shape`."""
+    return [t for t in candidates if shape[-1] % block_geometry(t)[0] == 0]

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from llmopt.model.arch import ArchSpec

@@ -9,6 +9,7 @@ import numpy as np
 
 from llmopt.errors import InputError
 from llmopt.model.families import Family, family_for_gguf, family_for_hf
+from llmopt.model.validate import MAX_DIM, MAX_LAYERS, check_heads, integer, number
 
 
 @dataclass(frozen=True)
@@ -44,34 +45,51 @@ class ArchSpec:
     # ---------------------------------------------------------------- HF config.json
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ArchSpec:
-        family = family_for_hf(cfg.get("architectures"), cfg.get("model_type"))
-        try:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            rope = cfg.get("rope_parameters") or {}
-            rope_scaling = cfg.get("rope_scaling")
-            if rope_scaling is None and rope.get("rope_type", "default") != "default":
-                rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-            return cls(
-                family=family,
-                hidden_size=hidden,
-                num_layers=int(cfg["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                intermediate_size=int(cfg["intermediate_size"]),
-                vocab_size=int(cfg["vocab_size"]),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-                rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", family.qkv_bias)),
-                rope_scaling=rope_scaling,
-                sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
-                extra={"hf_architecture": (cfg.get("architectures") or [family.hf_architectures[0]])[0]},
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise InputError(f"config.json is missing or has a bad value for {e}") from None
+        if not isinstance(cfg, dict):
+            raise InputError(f"config.json: expected a JSON object, got {type(cfg).__name__}")
+        archs = cfg.get("architectures")
+        if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+            raise InputError(f"config.json: `architectures` must be a list of class names, got {archs!r:.60}")
+        model_type = cfg.get("model_type")
+        family = family_for_hf(archs, model_type if isinstance(model_type, str) else None)
+
+        def get(key: str, default: Any = None) -> Any:
+            value = cfg.get(key, default)
+            if value is None:
+                raise InputError(f"config.json: missing `{key}`")
+            return value
+
+        rope = cfg.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise InputError(f"config.json: `rope_parameters` must be an object, got {type(rope).__name__}")
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is not None and not isinstance(rope_scaling, dict):
+            raise InputError(f"config.json: `rope_scaling` must be an object, got {type(rope_scaling).__name__}")
+        if rope_scaling is None and rope.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        hidden = integer(get("hidden_size"), "config.json `hidden_size`")
+        heads = integer(get("num_attention_heads"), "config.json `num_attention_heads`")
+        kv_heads = integer(cfg.get("num_key_value_heads") or heads, "config.json `num_key_value_heads`")
+        check_heads(heads, kv_heads, "config.json")
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        return cls(
+            family=family,
+            hidden_size=hidden,
+            num_layers=integer(get("num_hidden_layers"), "config.json `num_hidden_layers`", hi=MAX_LAYERS),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=integer(cfg.get("head_dim") or hidden // heads, "config.json `head_dim`"),
+            intermediate_size=integer(get("intermediate_size"), "config.json `intermediate_size`"),
+            vocab_size=integer(get("vocab_size"), "config.json `vocab_size`"),
+            max_position_embeddings=integer(cfg.get("max_position_embeddings", 2048), "config.json `max_position_embeddings`"),
+            rope_theta=number(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)), "config.json `rope_theta`", open_lo=True),
+            rms_norm_eps=number(cfg.get("rms_norm_eps", 1e-6), "config.json `rms_norm_eps`", hi=1.0),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", family.qkv_bias)),
+            rope_scaling=rope_scaling,
+            sliding_window=None if window is None else integer(window, "config.json `sliding_window`"),
+            extra={"hf_architecture": (archs or [family.hf_architectures[0]])[0]},
+        )
 
     def to_hf_config(self, dtype: str) -> dict[str, Any]:
         """A config.json that transformers, vLLM and llmopt read back to this same spec."""
@@ -111,34 +129,39 @@ class ArchSpec:
                 raise InputError(f"GGUF metadata is missing {arch}.{name}")
             return value
 
-        hidden = int(key("embedding_length"))
-        heads = int(key("attention.head_count"))
-        kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
-        head_dim = int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // heads)
+        def count(name: str, default: Any = None, hi: int = MAX_DIM) -> int:
+            return integer(key(name, default), f"GGUF metadata {arch}.{name}", hi=hi)
+
+        hidden = count("embedding_length")
+        heads = count("attention.head_count")
+        kv_heads = count("attention.head_count_kv", heads)
+        check_heads(heads, kv_heads, "GGUF metadata")
+        head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // heads
+        head_dim = integer(head_dim, f"GGUF metadata {arch}.attention.key_length")
         tokens = meta.get("tokenizer.ggml.tokens")
-        vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
+        vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if isinstance(tokens, list) else None)
         if vocab is None:
             raise InputError(f"GGUF metadata has neither {arch}.vocab_size nor a token list")
         rope_scaling = None
         if meta.get(f"{arch}.rope.scaling.type") in ("linear", "yarn"):
             rope_scaling = {
                 "rope_type": meta[f"{arch}.rope.scaling.type"],
-                "factor": float(meta.get(f"{arch}.rope.scaling.factor", 1.0)),
+                "factor": number(meta.get(f"{arch}.rope.scaling.factor", 1.0), f"GGUF metadata {arch}.rope.scaling.factor", open_lo=True),
             }
             if f"{arch}.rope.scaling.original_context_length" in meta:
-                rope_scaling["original_max_position_embeddings"] = int(meta[f"{arch}.rope.scaling.original_context_length"])
+                rope_scaling["original_max_position_embeddings"] = count("rope.scaling.original_context_length")
         return cls(
             family=family,
             hidden_size=hidden,
-            num_layers=int(key("block_count")),
+            num_layers=count("block_count", hi=MAX_LAYERS),
             num_heads=heads,
-            num_kv_heads=int(kv_heads),
+            num_kv_heads=kv_heads,
             head_dim=head_dim,
-            intermediate_size=int(key("feed_forward_length")),
-            vocab_size=int(vocab),
-            max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
-            rope_theta=_f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-            rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon")),
+            intermediate_size=count("feed_forward_length"),
+            vocab_size=integer(vocab, f"GGUF metadata {arch}.vocab_size"),
+            max_position_embeddings=count("context_length", 2048),
+            rope_theta=_f32(number(meta.get(f"{arch}.rope.freq_base", 10000.0), f"GGUF metadata {arch}.rope.freq_base", open_lo=True)),
+            rms_norm_eps=_f32(number(key("attention.layer_norm_rms_epsilon"), f"GGUF metadata {arch}.attention.layer_norm_rms_epsilon", hi=1.0)),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             rope_scaling=rope_scaling,

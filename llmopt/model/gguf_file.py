@@ -21,6 +21,7 @@ from llmopt.model.gguf_header import read_gguf
 from llmopt.model.rope import ROPE_FREQS
 from llmopt.model.source import ModelSource, TensorInfo
 from llmopt.model.tokenizer import TokenizerInfo, tokenizer_from_gguf
+from llmopt.model.validate import check_tensors
 
 
 class GGUFSource(ModelSource):
@@ -31,7 +32,10 @@ class GGUFSource(ModelSource):
         header = read_gguf(path)
         self.metadata, raw_tensors, self._map = header.metadata, header.tensors, header.map
         self._by_stored = {t.name: t for t in raw_tensors}
-        self.arch = ArchSpec.from_gguf_metadata(self.metadata, set(self._by_stored))
+        try:
+            self.arch = ArchSpec.from_gguf_metadata(self.metadata, set(self._by_stored))
+        except InputError as e:
+            raise InputError(f"{path}: {e}") from None
         family = self.arch.family
         self.tensors = {}
         for t in raw_tensors:
@@ -42,6 +46,7 @@ class GGUFSource(ModelSource):
                 continue
             shape = tuple(int(d) for d in reversed(t.shape))
             self.tensors[hf] = TensorInfo(hf, t.name, shape, t.tensor_type.name, int(t.n_bytes))
+        check_tensors(self.arch, {n: t.shape for n, t in self.tensors.items()}, str(path))
         self._tokenizer: TokenizerInfo | None = None
         self._tokenizer_read = False
 

@@ -8,6 +8,7 @@ KV count u64, the KV pairs, the tensor infos, then tensor data aligned to `gener
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,9 @@ class _Cursor:
             return self.string()
         if vtype == _ARRAY:
             etype, count = self.unpack("<I"), self.unpack("<Q")
+            least = np.dtype(_NUMPY[etype]).itemsize if etype in _NUMPY else 8 if etype == _STRING else 12
+            if count * least > len(self.buf) - self.pos:  # checked before anything is allocated
+                raise ValueError(f"an array of {count} items runs past the end of the file")
             if etype in _NUMPY:
                 dt = np.dtype(_NUMPY[etype])
                 arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos)
@@ -102,16 +106,31 @@ def read_gguf(path: Path) -> GGUFHeader:
         infos = []
         for _ in range(n_tensors):
             name = cur.string()
-            dims = tuple(cur.unpack("<Q") for _ in range(cur.unpack("<I")))
+            n_dims = cur.unpack("<I")
+            if not 1 <= n_dims <= 4:
+                raise ValueError(f"tensor {name!r} has {n_dims} dimensions (GGML allows 1 to 4)")
+            dims = tuple(cur.unpack("<Q") for _ in range(n_dims))
             infos.append((name, dims, GGMLQuantizationType(cur.unpack("<I")), cur.unpack("<Q")))
     except (struct.error, ValueError, UnicodeDecodeError) as e:
         raise InputError(f"{path}: corrupt or truncated GGUF header ({e})") from None
-    alignment = int(meta.get("general.alignment", 32))
+    alignment = meta.get("general.alignment", 32)
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+        raise InputError(f"{path}: general.alignment is {alignment!r:.40}; GGUF needs a power of two")
     data_start = -(-cur.pos // alignment) * alignment
     tensors = []
+    seen: set[str] = set()
     for name, dims, qtype, rel in infos:
+        if name in seen:
+            raise InputError(f"{path}: tensor {name!r} appears twice")
+        seen.add(name)
         block, type_size = GGML_QUANT_SIZES[qtype]
-        n = int(np.prod(dims)) if dims else 1
+        n = math.prod(dims) if dims else 1
+        if any(d < 1 for d in dims) or n > size * max(block, 1) * 8:
+            raise InputError(f"{path}: tensor {name!r} has impossible dimensions {list(dims)}")
+        if dims[0] % block:
+            raise InputError(f"{path}: tensor {name!r} ({qtype.name}) has rows of {dims[0]}, not a multiple of its block of {block}")
+        if rel % alignment:
+            raise InputError(f"{path}: tensor {name!r} starts at offset {rel}, not a multiple of the alignment {alignment}")
         n_bytes = n // block * type_size
         start = data_start + rel
         if start + n_bytes > size:

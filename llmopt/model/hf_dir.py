@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from llmopt.errors import InputError
 from llmopt.model.arch import ArchSpec
+from llmopt.model.validate import check_tensors
 from llmopt.model.source import ModelSource, TensorInfo
 from llmopt.model.tokenizer import TokenizerInfo, tokenizer_from_hf_dir
 
@@ -21,6 +22,10 @@ _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16":
              "F8_E4M3": 1, "F8_E5M2": 1}
 # HF-side tensors that carry no weights (old checkpoints store rotary buffers).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 class HFDirSource(ModelSource):
@@ -32,9 +37,9 @@ class HFDirSource(ModelSource):
         if not config_path.is_file():
             raise InputError(f"{path}: not an HF model directory (no config.json)")
         try:
-            self.config: dict[str, Any] = json.loads(config_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InputError(f"{config_path}: not valid JSON ({e})") from None
+            self.config: dict[str, Any] = json.loads(config_path.read_text(), parse_constant=_no_constant)
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+            raise InputError(f"{config_path}: not valid JSON ({str(e).splitlines()[0]})") from None
         self.arch = ArchSpec.from_hf_config(self.config)
         self.quantization_config = self.config.get("quantization_config")
         self._handles: dict[Path, Any] = {}
@@ -55,6 +60,7 @@ class HFDirSource(ModelSource):
                 self._file_of[name] = file
         if not self.tensors:
             raise InputError(f"{path}: the safetensors files hold no tensors")
+        check_tensors(self.arch, {n: t.shape for n, t in self.tensors.items()}, str(path))
         self.metadata = {k: self.config[k] for k in ("torch_dtype", "dtype", "transformers_version", "_name_or_path") if k in self.config}
         self._tokenizer: TokenizerInfo | None = None
         self._tokenizer_read = False
@@ -64,9 +70,16 @@ class HFDirSource(ModelSource):
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise InputError(f"{index}: not a valid safetensors index ({e})") from None
-            files = [self.path / f for f in dict.fromkeys(weight_map.values())]
+                names = list(dict.fromkeys(weight_map.values()))
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+                raise InputError(f"{index}: not a valid safetensors index ({type(e).__name__}: {str(e)[:60]})") from None
+            root = self.path.resolve()
+            files = []
+            for name in names:
+                file = (self.path / name).resolve() if isinstance(name, str) else None
+                if file is None or not file.is_relative_to(root) or file == root:
+                    raise InputError(f"{index}: weight_map names {name!r:.80}, which is not a file inside the model folder")
+                files.append(self.path / name)
             missing = [f.name for f in files if not f.is_file()]
             if missing:
                 raise InputError(f"{self.path}: shards listed in the index are missing: {', '.join(missing)}")

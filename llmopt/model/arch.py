@@ -139,7 +139,7 @@ class ArchSpec:
         head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // heads
         head_dim = integer(head_dim, f"GGUF metadata {arch}.attention.key_length")
         tokens = meta.get("tokenizer.ggml.tokens")
-        vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if isinstance(tokens, list) else None)
+        vocab = meta.get(f"{arch}.vocab_size", len(tokens) if isinstance(tokens, list) else None)
         if vocab is None:
             raise InputError(f"GGUF metadata has neither {arch}.vocab_size nor a token list")
         rope_scaling = None

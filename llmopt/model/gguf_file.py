@@ -47,6 +47,9 @@ class GGUFSource(ModelSource):
             shape = tuple(int(d) for d in reversed(t.shape))
             self.tensors[hf] = TensorInfo(hf, t.name, shape, t.tensor_type.name, int(t.n_bytes))
         check_tensors(self.arch, {n: t.shape for n, t in self.tensors.items()}, str(path))
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        if isinstance(tokens, list) and len(tokens) != self.arch.vocab_size:  # llama.cpp refuses it too
+            raise InputError(f"{path}: {len(tokens)} tokens in tokenizer.ggml.tokens for a vocabulary of {self.arch.vocab_size}")
         self._tokenizer: TokenizerInfo | None = None
         self._tokenizer_read = False
 
@@ -61,7 +64,10 @@ class GGUFSource(ModelSource):
         elif qtype == GGMLQuantizationType.BF16:
             t = torch.from_numpy(np.array(raw.data).view(np.int16)).view(torch.bfloat16)
         else:
-            t = torch.from_numpy(dequantize(raw.data, qtype))
+            try:
+                t = torch.from_numpy(dequantize(raw.data, qtype))
+            except NotImplementedError:
+                raise InputError(f"{self.path}: tensor {raw.name} is {qtype.name}, which llmopt cannot read") from None
         t = t.reshape(info.shape)
         heads = self.arch.family.qk_heads(name, self.arch.num_heads, self.arch.num_kv_heads)
         if heads is not None:

@@ -20,6 +20,7 @@ from llmopt.model.tokenizer import TokenizerInfo, tokenizer_from_hf_dir
 
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
              "F8_E4M3": 1, "F8_E5M2": 1}
+_FLOATS = ("F64", "F32", "F16", "BF16")
 # HF-side tensors that carry no weights (old checkpoints store rotary buffers).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -60,6 +61,9 @@ class HFDirSource(ModelSource):
                 self._file_of[name] = file
         if not self.tensors:
             raise InputError(f"{path}: the safetensors files hold no tensors")
+        for name, info in self.tensors.items():
+            if name.endswith((".weight", ".bias")) and info.dtype not in _FLOATS:
+                raise InputError(f"{path}: {name} is stored as {info.dtype}; weights are floating point")
         check_tensors(self.arch, {n: t.shape for n, t in self.tensors.items()}, str(path))
         self.metadata = {k: self.config[k] for k in ("torch_dtype", "dtype", "transformers_version", "_name_or_path") if k in self.config}
         self._tokenizer: TokenizerInfo | None = None

@@ -22,6 +22,7 @@ import torch
 from llmopt.errors import InputError
 from llmopt.model.hf_dir import HFDirSource
 from llmopt.model.packing import PACK_BITS, unpack_awq, unpack_qweight, unpack_qzeros
+from llmopt.model.validate import check_tensors
 from llmopt.model.source import ModelSource, TensorInfo
 from llmopt.quantized_tensor import QuantizedTensor
 
@@ -51,12 +52,20 @@ class PackedDirSource(HFDirSource):
                 logical[name] = info
                 continue
             if part == "qweight":
+                for p in self.parts:
+                    stored = self.stored.get(f"{module}.{p}")
+                    if stored is None and p != "g_idx":
+                        raise InputError(f"{path}: {module}.{p} is missing ({self.method.upper()} stores {', '.join(self.parts)})")
+                    if stored is not None and len(stored.shape) != (1 if p == "g_idx" else 2):
+                        raise InputError(f"{path}: {module}.{p} has shape {list(stored.shape)}, expected "
+                                         f"{'1' if p == 'g_idx' else '2'} dimensions")  # fmt: skip
                 out_f, in_f = self.linear_shape(module, info.shape)
                 self.modules[module] = (out_f, in_f)
                 nbytes = sum(self.stored[f"{module}.{p}"].nbytes for p in self.parts if f"{module}.{p}" in self.stored)
                 kind = f"{self.method.upper()}{self.module_config(module)[0]}"
                 logical[f"{module}.weight"] = TensorInfo(f"{module}.weight", name, (out_f, in_f), kind, nbytes)
         self.tensors = logical
+        check_tensors(self.arch, {n: t.shape for n, t in logical.items()}, f"{path} ({self.method.upper()} {self.bits}-bit)")
 
     def check_config(self, q: dict) -> None:
         """Refuse what this reader cannot read (one line)."""
@@ -84,7 +93,10 @@ class PackedDirSource(HFDirSource):
         return super().load(name, dtype)
 
     def _checked(self, module: str, qt: QuantizedTensor) -> QuantizedTensor:
-        groups = int(qt.group_index().max()) + 1
+        index = qt.group_index()
+        if int(index.min()) < 0:
+            raise InputError(f"{self.path}: {module}.g_idx holds negative group numbers")
+        groups = int(index.max()) + 1
         if qt.scales.shape != qt.zeros.shape or qt.scales.shape[0] != qt.shape[0] or groups > qt.scales.shape[1]:
             raise InputError(f"{self.path}: {module}: inconsistent {self.method.upper()} tensors (scales "
                              f"{tuple(qt.scales.shape)}, qzeros {tuple(qt.zeros.shape)}, groups used {groups})")  # fmt: skip
@@ -124,7 +136,11 @@ class GPTQDirSource(PackedDirSource):
 
     def linear_shape(self, module: str, qweight_shape: tuple[int, ...]) -> tuple[int, int]:
         g_idx = self.stored.get(f"{module}.g_idx")
-        in_f = g_idx.shape[0] if g_idx is not None else qweight_shape[0] * 32 // self.module_config(module)[0]
+        bits = self.module_config(module)[0]
+        in_f = g_idx.shape[0] if g_idx is not None else qweight_shape[0] * 32 // bits
+        if qweight_shape[0] * 32 != in_f * bits:  # 32 // bits codes per word (3-bit: 32 codes per 3 words)
+            raise InputError(f"{self.path}: {module}.qweight has {qweight_shape[0]} rows; {bits}-bit codes of {in_f} inputs "
+                             f"take {in_f * bits / 32:g}")  # fmt: skip
         return qweight_shape[1], in_f
 
     def quantized(self, module: str) -> QuantizedTensor:
@@ -179,5 +195,7 @@ def open_hf_dir(path: Path) -> ModelSource:
         except (json.JSONDecodeError, UnicodeDecodeError):
             config = {}
     q = config.get("quantization_config") if isinstance(config, dict) else None
+    if q is not None and not isinstance(q, dict):
+        raise InputError(f"{config_path}: `quantization_config` must be an object, got {type(q).__name__}")
     method = str(q.get("quant_method", "")).lower() if isinstance(q, dict) else ""
     return READERS[method](path) if method in READERS else HFDirSource(path)

@@ -107,12 +107,21 @@ def tokenizer_from_hf_dir(directory: Path) -> TokenizerInfo | None:
     except Exception as e:  # tokenizers raises a bare Exception on malformed files
         raise InputError(f"{path}: cannot read tokenizer ({str(e).splitlines()[0]})") from None
     cfg: dict[str, Any] = {}
-    if (directory / "tokenizer_config.json").is_file():
-        cfg = json.loads((directory / "tokenizer_config.json").read_text())
+    cfg_path = directory / "tokenizer_config.json"
+    if cfg_path.is_file():
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InputError(f"{cfg_path}: not valid JSON ({str(e).splitlines()[0]})") from None
+        if not isinstance(cfg, dict):
+            raise InputError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
 
     def special(key: str) -> str | None:
         v = cfg.get(key)
-        return v.get("content") if isinstance(v, dict) else v
+        v = v.get("content") if isinstance(v, dict) else v
+        if v is not None and not isinstance(v, str):
+            raise InputError(f"{cfg_path}: `{key}` must be a token string, got {type(v).__name__} {v!r:.40}")
+        return v
 
     model = json.loads(tok.to_str()).get("model", {})
     kind = "sentencepiece" if model.get("byte_fallback") else model.get("type", "unknown").lower()
@@ -125,8 +134,19 @@ def tokenizer_from_hf_dir(directory: Path) -> TokenizerInfo | None:
         unk_token=special("unk_token"),
         add_bos=bool(cfg.get("add_bos_token", False)),
         add_eos=bool(cfg.get("add_eos_token", False)),
-        chat_template=cfg.get("chat_template") if isinstance(cfg.get("chat_template"), str) else None,
+        chat_template=_chat_template(cfg.get("chat_template"), cfg_path),
     )
+
+
+def _chat_template(value: Any, where: Path) -> str | None:
+    """A template string, or transformers' list of named templates (the "default" one is taken)."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                       and isinstance(t.get("template"), str) for t in value):  # fmt: skip
+        named = {t["name"]: t["template"] for t in value}
+        return named.get("default")
+    raise InputError(f"{where}: `chat_template` must be a string or a list of {{name, template}}, got {value!r:.40}")
 
 
 # ------------------------------------------------------------------------------------- GGUF
@@ -135,20 +155,33 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> TokenizerInfo | None:
     tokens: list[str] | None = meta.get("tokenizer.ggml.tokens")
     if tokens is None:
         return None
+    tokens = _listed(meta, "tokens", str)
     model = meta.get("tokenizer.ggml.model")
-    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    types: list[int] = _listed(meta, "token_type", int, len(tokens)) if "tokenizer.ggml.token_type" in meta else [1] * len(tokens)
     pre = meta.get("tokenizer.ggml.pre")
-    if model == "gpt2":
-        tok = _byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges") or [], pre)
-        kind = "bpe"
-    elif model == "llama":
-        scores = meta.get("tokenizer.ggml.scores")
-        if scores is None:
-            raise InputError("GGUF sentencepiece tokenizer has no tokenizer.ggml.scores")
-        tok = _sentencepiece_bpe(tokens, list(scores), types, bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
-        kind = "sentencepiece"
-    else:
-        raise InputError(f"unsupported GGUF tokenizer model {model!r}; supported: gpt2 (byte-level BPE), llama (sentencepiece)")
+    try:
+        if model == "gpt2":
+            merges = _listed(meta, "merges", str) if "tokenizer.ggml.merges" in meta else []
+            if any(" " not in m for m in merges):
+                raise InputError("GGUF metadata tokenizer.ggml.merges: every merge is two tokens separated by a space")
+            tok = _byte_level_bpe(tokens, merges, pre)
+            kind = "bpe"
+        elif model == "llama":
+            if "tokenizer.ggml.scores" not in meta:
+                raise InputError("GGUF sentencepiece tokenizer has no tokenizer.ggml.scores")
+            scores = _listed(meta, "scores", (int, float), len(tokens))
+            tok = _sentencepiece_bpe(tokens, scores, types, bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
+            kind = "sentencepiece"
+        else:
+            raise InputError(f"unsupported GGUF tokenizer model {model!r}; supported: gpt2 (byte-level BPE), llama (sentencepiece)")
+    except InputError:
+        raise
+    except Exception as e:  # tokenizers raises bare Exceptions on vocabularies it cannot build
+        raise InputError(f"GGUF tokenizer metadata cannot be built into a tokenizer ({str(e).splitlines()[0]})") from None
+    for key in ("bos", "eos", "padding", "unknown"):
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if i is not None and (isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(tokens)):
+            raise InputError(f"GGUF metadata tokenizer.ggml.{key}_token_id is {i!r:.20}; the vocabulary has {len(tokens)} tokens")
 
     # Control tokens are special; user-defined ones are matched whole but are ordinary text.
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _CONTROL])
@@ -172,6 +205,17 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> TokenizerInfo | None:
     )
     _set_post_processor(info)
     return info
+
+
+def _listed(meta: dict[str, Any], key: str, kind: type | tuple[type, ...], length: int | None = None) -> list:
+    """A metadata array of `kind` items (of `length` items, when given), or an InputError naming the key."""
+    value = meta.get(f"tokenizer.ggml.{key}")
+    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, kind) for v in value):
+        raise InputError(f"GGUF metadata tokenizer.ggml.{key}: expected an array of "
+                         f"{kind.__name__ if isinstance(kind, type) else 'numbers'}")  # fmt: skip
+    if length is not None and len(value) != length:
+        raise InputError(f"GGUF metadata tokenizer.ggml.{key} has {len(value)} items for {length} tokens")
+    return value
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> Tokenizer:

@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated:
         err.print("terminated")
         return 143
-    except Exception as e:  # a bug: one line by default, the traceback with -v
+    except BaseException as e:  # a bug (or a Rust panic, pyo3's PanicException): one line; -v for the traceback
+        if isinstance(e, (SystemExit, GeneratorExit)):
+            raise
         if _terminating:
             err.print("terminated")
             return 143

@@ -18,6 +18,7 @@ import torch
 from llmopt.calibration.imatrix import Imatrix
 from llmopt.errors import InputError, OptionError
 from llmopt.formats.atomic import atomic_output_file
+from llmopt.model.gguf_header import read_gguf
 
 
 def write_imatrix(imatrix: Imatrix, path: Path, *, legacy_dat: bool = False) -> Path:
@@ -74,26 +75,39 @@ def read_imatrix(path: Path) -> Imatrix:
 
 
 def _read_gguf(path: Path) -> Imatrix:
-    reader = gguf.GGUFReader(str(path))
-    fields = reader.fields
+    """Through llmopt's own GGUF header reader, which checks the container before anything is read."""
+    header = read_gguf(path)
+    meta = header.metadata
 
-    def scalar(key: str, default: int = 0) -> int:
-        return int(fields[key].contents()) if key in fields else default
+    def scalar(key: str) -> int:
+        value = meta.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InputError(f"{path}: {key} is {value!r:.30}; expected a count")
+        return value
 
-    datasets = list(fields["imatrix.datasets"].contents()) if "imatrix.datasets" in fields else []
+    datasets = meta.get("imatrix.datasets", [])
+    if not isinstance(datasets, list) or not all(isinstance(d, str) for d in datasets):
+        raise InputError(f"{path}: imatrix.datasets is not a list of strings")
     result = Imatrix(datasets=datasets, chunk_count=scalar("imatrix.chunk_count"), chunk_size=scalar("imatrix.chunk_size"))
-    tensors = {t.name: np.asarray(t.data, dtype=np.float32) for t in reader.tensors}
-    for name, sums in tensors.items():
+    tensors = {t.name: t for t in header.tensors}
+    for name, t in tensors.items():
         if not name.endswith(".in_sum2"):
             continue
         base = name.removesuffix(".in_sum2")
         counts = tensors.get(f"{base}.counts")
         if counts is None:
             raise InputError(f"{path}: {base} has in_sum2 but no counts")
-        if counts.size != 1:
-            raise InputError(f"{path}: {base} has {counts.size} experts; llmopt supports dense models")
-        result.sums[base] = torch.from_numpy(sums.reshape(-1).astype(np.float64))
-        result.counts[base] = int(counts.reshape(-1)[0])
+        if t.tensor_type.name != "F32" or counts.tensor_type.name != "F32":
+            raise InputError(f"{path}: {base}: imatrix entries are F32, not {t.tensor_type.name}/{counts.tensor_type.name}")
+        if counts.data.size != 1:
+            raise InputError(f"{path}: {base} has {counts.data.size} experts; llmopt supports dense models")
+        with np.errstate(invalid="ignore", over="ignore"):  # judged just below
+            sums = np.asarray(t.data, dtype=np.float64).reshape(-1)
+            count = float(np.asarray(counts.data).reshape(-1)[0])
+        if not np.isfinite(sums).all() or (sums < 0).any() or not (np.isfinite(count) and count >= 0):
+            raise InputError(f"{path}: {base}: sums of squares must be finite and non-negative")
+        result.sums[base] = torch.from_numpy(sums.copy())
+        result.counts[base] = int(count)
     if not result.sums:
         raise InputError(f"{path}: not an imatrix file (no <tensor>.in_sum2 entries)")
     return result
@@ -106,11 +120,17 @@ def _read_dat(path: Path) -> Imatrix:
         pos, result = 4, Imatrix()
         for _ in range(n):
             (length,) = struct.unpack_from("<i", data, pos)
+            if not 0 < length <= len(data) - pos - 4:
+                raise ValueError(f"an entry name of {length} bytes")
             name = data[pos + 4 : pos + 4 + length].decode()
             pos += 4 + length
             ncall, nval = struct.unpack_from("<ii", data, pos)
             pos += 8
+            if not 0 < nval <= (len(data) - pos) // 4:
+                raise ValueError(f"{name}: {nval} values")
             values = np.frombuffer(data, dtype="<f4", count=nval, offset=pos)
+            if not np.isfinite(values).all():
+                raise ValueError(f"{name}: values that are not finite")
             pos += 4 * nval
             # stored: mean x² · ncall; keep it as a sum over `ncall` pseudo-tokens so importance() = mean
             result.sums[name] = torch.from_numpy(values.astype(np.float64))
@@ -123,7 +143,7 @@ def _read_dat(path: Path) -> Imatrix:
                 if length > 0:
                     result.datasets = [data[pos + 4 : pos + 4 + length].decode()]
     except (struct.error, ValueError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: not an imatrix file ({e})") from None
+        raise InputError(f"{path}: not an imatrix file ({str(e).splitlines()[0][:80]})") from None
     if n < 1 or not result.sums:
         raise InputError(f"{path}: not an imatrix file (no entries)")
     return result

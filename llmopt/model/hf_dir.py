@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from llmopt.errors import InputError
+from llmopt.errors import InputError, guarded
 from llmopt.model.arch import ArchSpec
 from llmopt.model.validate import check_tensors
 from llmopt.model.source import ModelSource, TensorInfo
@@ -96,10 +96,7 @@ class HFDirSource(ModelSource):
         return files
 
     def _open(self, file: Path) -> Any:
-        try:
-            handle = safe_open(str(file), framework="pt")
-        except Exception as e:  # SafetensorError is not exported under a stable name
-            raise InputError(f"{file}: not a valid safetensors file ({str(e).splitlines()[0]})") from None
+        handle = guarded(lambda: safe_open(str(file), framework="pt"), f"{file}: not a valid safetensors file")
         self._handles[file] = handle
         return handle
 

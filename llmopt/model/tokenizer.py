@@ -14,7 +14,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from llmopt.errors import InputError
+from llmopt.errors import InputError, guarded
 
 # Split regexes, applied in sequence like llama.cpp's `regex_exprs` for each pre-tokenizer name.
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -58,7 +58,7 @@ class TokenizerInfo:
         return None if token is None else self.tokenizer.token_to_id(token)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+        return guarded(lambda: self.tokenizer.encode(text).ids, "the tokenizer failed on this text", quiet=False)
 
     def special_ids(self) -> dict[str, int]:
         """`bos_token_id`, `eos_token_id`, `pad_token_id` as config.json and generation_config.json carry them."""
@@ -102,10 +102,7 @@ def tokenizer_from_hf_dir(directory: Path) -> TokenizerInfo | None:
     path = directory / "tokenizer.json"
     if not path.is_file():
         return None
-    try:
-        tok = Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises a bare Exception on malformed files
-        raise InputError(f"{path}: cannot read tokenizer ({str(e).splitlines()[0]})") from None
+    tok = guarded(lambda: Tokenizer.from_file(str(path)), f"{path}: cannot read tokenizer")
     cfg: dict[str, Any] = {}
     cfg_path = directory / "tokenizer_config.json"
     if cfg_path.is_file():
@@ -159,25 +156,21 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> TokenizerInfo | None:
     model = meta.get("tokenizer.ggml.model")
     types: list[int] = _listed(meta, "token_type", int, len(tokens)) if "tokenizer.ggml.token_type" in meta else [1] * len(tokens)
     pre = meta.get("tokenizer.ggml.pre")
-    try:
-        if model == "gpt2":
-            merges = _listed(meta, "merges", str) if "tokenizer.ggml.merges" in meta else []
-            if any(" " not in m for m in merges):
-                raise InputError("GGUF metadata tokenizer.ggml.merges: every merge is two tokens separated by a space")
-            tok = _byte_level_bpe(tokens, merges, pre)
-            kind = "bpe"
-        elif model == "llama":
-            if "tokenizer.ggml.scores" not in meta:
-                raise InputError("GGUF sentencepiece tokenizer has no tokenizer.ggml.scores")
-            scores = _listed(meta, "scores", (int, float), len(tokens))
-            tok = _sentencepiece_bpe(tokens, scores, types, bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
-            kind = "sentencepiece"
-        else:
-            raise InputError(f"unsupported GGUF tokenizer model {model!r}; supported: gpt2 (byte-level BPE), llama (sentencepiece)")
-    except InputError:
-        raise
-    except Exception as e:  # tokenizers raises bare Exceptions on vocabularies it cannot build
-        raise InputError(f"GGUF tokenizer metadata cannot be built into a tokenizer ({str(e).splitlines()[0]})") from None
+    if model == "gpt2":
+        merges = _listed(meta, "merges", str) if "tokenizer.ggml.merges" in meta else []
+        if any(" " not in m for m in merges):
+            raise InputError("GGUF metadata tokenizer.ggml.merges: every merge is two tokens separated by a space")
+        tok = guarded(lambda: _byte_level_bpe(tokens, merges, pre), "GGUF tokenizer metadata cannot be built into a tokenizer")
+        kind = "bpe"
+    elif model == "llama":
+        if "tokenizer.ggml.scores" not in meta:
+            raise InputError("GGUF sentencepiece tokenizer has no tokenizer.ggml.scores")
+        scores = _listed(meta, "scores", (int, float), len(tokens))
+        add_space = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+        tok = guarded(lambda: _sentencepiece_bpe(tokens, scores, types, add_space), "GGUF tokenizer metadata cannot be built into a tokenizer")
+        kind = "sentencepiece"
+    else:
+        raise InputError(f"unsupported GGUF tokenizer model {model!r}; supported: gpt2 (byte-level BPE), llama (sentencepiece)")
     for key in ("bos", "eos", "padding", "unknown"):
         i = meta.get(f"tokenizer.ggml.{key}_token_id")
         if i is not None and (isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(tokens)):

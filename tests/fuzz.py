@@ -20,7 +20,6 @@ import random
 import resource
 import shutil
 import signal
-import struct
 import sys
 import time
 import traceback

@@ -5,6 +5,7 @@ Exit codes: 0 success, 1 a quality gate or check failed, 2 bad input or usage, 3
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import traceback
@@ -75,6 +76,16 @@ def _terminate(signum, frame) -> None:
     raise Terminated
 
 
+def _output_of(argv: list[str]) -> str | None:
+    """The value of -o/--output(-dir) on the command line, to name what could not be written."""
+    for i, arg in enumerate(argv):
+        if arg in ("-o", "--output", "--output-dir") and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(("--output=", "--output-dir=")):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the process's own entry point (not an in-process call): own SIGTERM too
         signal.signal(signal.SIGTERM, _terminate)
@@ -95,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         message = e.render(flag) if isinstance(e, OptionError) else str(e)
         err.print(f"[bold red]error:[/] {escape(message)}", markup=True, soft_wrap=True)
         return e.exit_code
+    except OSError as e:  # the file system said no (disk full, read-only, ...): the input's fault, not ours
+        where = e.filename if e.filename is not None else _output_of(argv)
+        shown = os.fsencode(where).decode("utf-8", "backslashreplace") if where is not None else "writing"
+        reason = e.strerror or f"cannot write ({e})"
+        err.print(f"[bold red]error:[/] {escape(f'{shown}: {reason}')}", markup=True, soft_wrap=True)
+        return 2
     except KeyboardInterrupt:
         err.print("interrupted")
         return 130

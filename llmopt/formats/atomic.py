@@ -27,6 +27,11 @@ from llmopt.errors import InputError, OptionError
 def check_output(target: Path, force: bool, directory: bool = False) -> Path:
     """The resolved target, or an error if writing it would replace something without `force`."""
     target = Path(target).expanduser().resolve()
+    try:
+        str(target).encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(target).decode("utf-8", "backslashreplace")
+        raise InputError(f"{shown}: the output name is not valid UTF-8 (model files name each other in UTF-8)") from None
     if target.exists():
         if directory and not target.is_dir():
             raise InputError(f"{target}: exists and is not a directory")
@@ -45,7 +50,10 @@ class AtomicDir:
         self.target = check_output(target, force, directory=True)
         parent = _make_parent(self.target)
         remove_orphans(parent, self.target.name)
-        self.tmp = Path(tempfile.mkdtemp(prefix=_prefix(self.target, "tmp"), dir=parent))
+        try:
+            self.tmp = Path(tempfile.mkdtemp(prefix=_prefix(self.target, "tmp"), dir=parent))
+        except OSError as e:
+            raise InputError(f"{self.target}: cannot write here ({e.strerror})") from None
         self.tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the result should look like mkdir's
 
     def commit(self) -> Path:
@@ -73,7 +81,10 @@ class AtomicFile:
     def __init__(self, target: Path, force: bool = True):
         self.target = check_output(target, force)
         remove_orphans(_make_parent(self.target), self.target.name)
-        fd, name = tempfile.mkstemp(prefix=_prefix(self.target, "tmp"), dir=self.target.parent)
+        try:
+            fd, name = tempfile.mkstemp(prefix=_prefix(self.target, "tmp"), dir=self.target.parent)
+        except OSError as e:
+            raise InputError(f"{self.target}: cannot write here ({e.strerror})") from None
         os.close(fd)
         self.tmp = Path(name)
         self.tmp.chmod(0o666 & ~_umask())

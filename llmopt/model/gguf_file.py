@@ -7,10 +7,11 @@ permutation is undone, so callers see exactly what an HF directory would hold.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pathlib import Path
 
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
@@ -19,9 +20,12 @@ from llmopt.model.arch import ArchSpec
 from llmopt.model.families.base import unpermute_from_gguf
 from llmopt.model.gguf_header import read_gguf
 from llmopt.model.rope import ROPE_FREQS
-from llmopt.model.source import ModelSource, TensorInfo
+from llmopt.model.source import ModelSource, TensorInfo, torch_dtype
 from llmopt.model.tokenizer import TokenizerInfo, tokenizer_from_gguf
 from llmopt.model.validate import check_tensors
+
+if TYPE_CHECKING:
+    import torch
 
 
 class GGUFSource(ModelSource):
@@ -53,7 +57,10 @@ class GGUFSource(ModelSource):
         self._tokenizer: TokenizerInfo | None = None
         self._tokenizer_read = False
 
-    def load(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+    def load(self, name: str, dtype: torch.dtype | str | None = "float32") -> torch.Tensor:
+        import torch
+
+        dtype = torch_dtype(dtype)
         info = self.tensors[name]
         raw = self._by_stored[info.stored_name]
         qtype = raw.tensor_type

@@ -5,18 +5,22 @@ Tensors are read by memory map through safetensors; nothing is unpickled (.bin f
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import json
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors import safe_open
 
 from llmopt.errors import InputError, guarded
 from llmopt.model.arch import ArchSpec
 from llmopt.model.validate import check_tensors
-from llmopt.model.source import ModelSource, TensorInfo
+from llmopt.model.source import ModelSource, TensorInfo, torch_dtype
 from llmopt.model.tokenizer import TokenizerInfo, tokenizer_from_hf_dir
+
+if TYPE_CHECKING:
+    import torch
 
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
              "F8_E4M3": 1, "F8_E5M2": 1}
@@ -100,7 +104,10 @@ class HFDirSource(ModelSource):
         self._handles[file] = handle
         return handle
 
-    def load(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+    def load(self, name: str, dtype: torch.dtype | str | None = "float32") -> torch.Tensor:
+        import torch
+
+        dtype = torch_dtype(dtype)
         if name not in self.tensors:
             raise KeyError(name)
         t = self._handles[self._file_of[name]].get_tensor(name)  # a view into safetensors' private map

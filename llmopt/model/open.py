@@ -7,7 +7,6 @@ from pathlib import Path
 from llmopt.errors import InputError
 from llmopt.model.gguf_file import GGUFSource
 from llmopt.model.gguf_header import MAGIC as GGUF_MAGIC
-from llmopt.model.quantized_dir import open_hf_dir
 from llmopt.model.hub import looks_like_hub_id, resolve_hub_id
 from llmopt.model.source import ModelSource
 
@@ -16,6 +15,8 @@ def open_model(spec: str | Path) -> ModelSource:
     """An HF directory, a GGUF file, or a hub id (cached, or downloaded when online)."""
     path = Path(spec).expanduser()
     if path.is_dir():
+        from llmopt.model.quantized_dir import open_hf_dir  # torch: a GGUF's header is read without it
+
         return open_hf_dir(path)
     if path.is_file():
         with path.open("rb") as f:
@@ -23,10 +24,14 @@ def open_model(spec: str | Path) -> ModelSource:
         if magic == GGUF_MAGIC or path.suffix.lower() == ".gguf":
             return GGUFSource(path)
         if path.name == "config.json":
+            from llmopt.model.quantized_dir import open_hf_dir
+
             return open_hf_dir(path.parent)
         raise InputError(f"{path}: not a model (expected an HF directory or a .gguf file)")
     if path.exists():
         raise InputError(f"{path}: not a regular file or directory")
     if looks_like_hub_id(str(spec)) and not path.parent.exists():  # "build/x" with build/ present is a path
+        from llmopt.model.quantized_dir import open_hf_dir
+
         return open_hf_dir(resolve_hub_id(str(spec)))
     raise InputError(f"{spec}: no such file or directory")

@@ -23,7 +23,7 @@ from llmopt.errors import InputError
 from llmopt.model.hf_dir import HFDirSource
 from llmopt.model.packing import PACK_BITS, unpack_awq, unpack_qweight, unpack_qzeros
 from llmopt.model.validate import check_tensors
-from llmopt.model.source import ModelSource, TensorInfo
+from llmopt.model.source import ModelSource, TensorInfo, torch_dtype
 from llmopt.quantized_tensor import QuantizedTensor
 
 
@@ -85,7 +85,8 @@ class PackedDirSource(HFDirSource):
         name = f"{module}.{part}"
         return self._handles[self._file_of[name]].get_tensor(name)
 
-    def load(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+    def load(self, name: str, dtype: torch.dtype | str | None = "float32") -> torch.Tensor:
+        dtype = torch_dtype(dtype)
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and module in self.modules:
             w = self.quantized(module).dequantize(torch.float32)

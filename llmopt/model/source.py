@@ -9,13 +9,24 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from llmopt.memory import release_mapped_files
 from llmopt.model.arch import ArchSpec
 from llmopt.model.tokenizer import TokenizerInfo
+
+if TYPE_CHECKING:
+    import torch
+
+
+def torch_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """`load`'s dtype: a torch dtype, or its name. Sources take names as their default so that
+    reading headers (inspect, recommend) needs no torch; torch comes in with the first tensor."""
+    if isinstance(dtype, str):
+        import torch
+
+        return getattr(torch, dtype)
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -45,7 +56,7 @@ class ModelSource(ABC):
     quantization_config: dict[str, Any] | None = None
 
     @abstractmethod
-    def load(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+    def load(self, name: str, dtype: torch.dtype | str | None = "float32") -> torch.Tensor:
         """One tensor by HF name, dequantized and in HF layout; `dtype=None` keeps a float file's dtype."""
 
     @abstractmethod

@@ -1,5 +1,5 @@
 """A seeded mutation fuzzer for the readers: GGUF files, HF folders (config, weights, tokenizer),
-GPTQ checkpoints and imatrix files.
+GPTQ and AWQ checkpoints and imatrix files.
 
 Each case mutates one file of a small valid model (bytes flipped, numbers overwritten, the file cut,
 JSON values replaced by other types), then reads everything a command would (architecture, every
@@ -8,7 +8,7 @@ any other exception, a case slower than the time limit, or an allocation beyond 
 (RLIMIT_DATA, 1 GiB above what the process holds when fuzzing starts) is a failure, printed with
 the reader, seed and case number that replay it.
 
-    python -m tests.fuzz WORKDIR --gguf M.gguf --hf DIR --gptq DIR --imatrix I.gguf --cases 3000 --seed 0
+    python -m tests.fuzz WORKDIR --gguf M.gguf --hf DIR --gptq DIR --awq DIR --imatrix I.gguf --cases 3000 --seed 0
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def cases(args: argparse.Namespace) -> list[tuple[str, Path, str]]:
         out.append(("gguf", Path(args.gguf), ""))
     if args.imatrix:
         out.append(("imatrix", Path(args.imatrix), ""))
-    for kind, folder in (("hf", args.hf), ("gptq", args.gptq)):
+    for kind, folder in (("hf", args.hf), ("gptq", args.gptq), ("awq", getattr(args, "awq", None))):
         if folder:
             for file in sorted(p.name for p in Path(folder).iterdir() if p.suffix in (".json", ".safetensors")):
                 out.append((kind, Path(folder), file))
@@ -176,6 +176,7 @@ def main() -> None:
     parser.add_argument("--hf")
     parser.add_argument("--gptq")
     parser.add_argument("--imatrix")
+    parser.add_argument("--awq")
     parser.add_argument("--cases", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=5.0)

@@ -1,5 +1,5 @@
 """The readers under a seeded mutation fuzzer (tests/fuzz.py): 3,000 malformed GGUF files, HF
-folders, GPTQ checkpoints and imatrix files, each read whole; nothing may escape but llmopt's own
+folders, GPTQ and AWQ checkpoints and imatrix files, each read whole; nothing may escape but llmopt's own
 one-line input error, no case may hang (5 s) or allocate beyond 1 GiB. The cases found while
 building it are replayed first, so a fixed failure stays fixed."""
 
@@ -28,8 +28,11 @@ def fuzz_sources(tiny_models, tiny_ggufs, tmp_path_factory):
     gptq = work / "gptq"
     llmopt.quantize(tiny_models("llama"), gptq, method="rtn", bits=4, group_size=32)
     (work / "calib.txt").write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    llmopt.quantize(tiny_models("llama"), work / "awq", method="awq", bits=4, group_size=32, calib=str(work / "calib.txt"),
+                    nsamples=4, seqlen=32)  # fmt: skip
     llmopt.imatrix(tiny_models("llama"), str(work / "calib.txt"), work / "imatrix.gguf", chunks=4, ctx_size=32)
-    return {"gguf": tiny_ggufs("llama", "Q8_0"), "hf": tiny_models("llama"), "gptq": gptq, "imatrix": work / "imatrix.gguf"}
+    return {"gguf": tiny_ggufs("llama", "Q8_0"), "hf": tiny_models("llama"), "gptq": gptq, "awq": work / "awq",
+            "imatrix": work / "imatrix.gguf"}
 
 
 def test_readers_survive_3000_mutations(fuzz_sources, tmp_path):

@@ -1,12 +1,14 @@
 """The bad-input corpus: hundreds of malformed models built here from tiny ones, each read whole by
 `llmopt convert --to hf` (architecture, every tensor, the tokenizer). Every case must give exit 2,
-one `error:` line, no output and no temporary file, within 10 seconds. A case that exits 3 is a
+one `error:` line, no output and no temporary file, within 10 seconds and without raising the
+process's peak memory by 1 GiB. A case that exits 3 is a
 bug of ours (docs/cli.md: the exit-code contract)."""
 
 from __future__ import annotations
 
 import json
 import math
+import resource
 import shutil
 import signal
 import struct
@@ -347,11 +349,14 @@ def test_bad_model(llmopt_here, sources, tmp_path, kind, name, make):
 
     old = signal.signal(signal.SIGALRM, hang)
     signal.alarm(10)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     try:
         result = llmopt_here("convert", bad, "--to", "hf", "-o", out)
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+    grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) * 1024  # a new high of the process: this case's
+    assert grew < 1 << 30, f"{name}: peak memory rose by {grew / 2**20:.0f} MiB"
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), result.stderr
     assert not out.exists() and not any(p.name.startswith(".out.") for p in tmp_path.iterdir())

@@ -185,19 +185,25 @@ def tensor_type(
     `tied_embeddings` defaults to the architecture's.
     """
     mix = check_mix(mix)
+    tied = arch.tie_word_embeddings if tied_embeddings is None else tied_embeddings
+    ott = ggml_type(output_tensor_type).name if output_tensor_type is not None else None
+    return _choose(gguf_name, shape, category(gguf_name), allows_quantization(gguf_name, shape), mix, arch,
+                   _compile_overrides(overrides), has_imatrix, ott, tied, counter)  # fmt: skip
+
+
+def _choose(gguf_name: str, shape: tuple[int, ...], cat: str, allowed: bool, mix: str, arch: ArchSpec,
+            compiled: list[tuple[re.Pattern[str], str]], has_imatrix: bool, output_tensor_type: str | None,
+            tied: bool, counter: int | None) -> str:  # fmt: skip
+    """`tensor_type` once the per-mix work (the mix's name, the compiled overrides) is done."""
     default = DEFAULT_TYPE[mix]
-    if not allows_quantization(gguf_name, shape):
+    if not allowed:
         return "F32"
-    cat = category(gguf_name)
-    if output_tensor_type is not None:
-        output_tensor_type = ggml_type(output_tensor_type).name
-        if cat == "output":
-            return output_tensor_type
+    if output_tensor_type is not None and cat == "output":
+        return output_tensor_type
     if not is_quantized(default):
         return default
-    tied = arch.tie_word_embeddings if tied_embeddings is None else tied_embeddings
     new_type = default
-    for pattern, type_name in _compile_overrides(overrides):
+    for pattern, type_name in compiled:
         if pattern.search(gguf_name):
             new_type = type_name
             break
@@ -210,7 +216,11 @@ def tensor_type(
 
 def llama_order(names: Sequence[str]) -> list[str]:
     """Tensor names in llama.cpp's loader order: non-block tensors first, then by layer, then by name."""
-    return sorted(names, key=lambda n: (int(_LAYER.match(n).group(1)) if _LAYER.match(n) else -1, n))
+    def key(n: str) -> tuple[int, str]:
+        m = _LAYER.match(n)
+        return (int(m.group(1)) if m else -1, n)
+
+    return sorted(names, key=key)
 
 
 def plan_shapes(
@@ -225,20 +235,18 @@ def plan_shapes(
     """`tensor_type` for every (gguf name -> HF shape), with llama.cpp's running counters."""
     mix = check_mix(mix)
     compiled = _compile_overrides(overrides)
+    ott = ggml_type(output_tensor_type).name if output_tensor_type is not None else None
     tied = "output.weight" not in shapes
+    quantized_default = is_quantized(DEFAULT_TYPE[mix])
     counters = {"attn_v": 0, "ffn_down": 0}
     plan: dict[str, str] = {}
     for name in llama_order(list(shapes)):
         shape = shapes[name]
         cat = category(name)
+        allowed = allows_quantization(name, shape)
         kind = "attn_v" if cat in ("attn_v", "attn_qkv", "attn_kv_b") else cat
-        manual = any(p.search(name) for p, _ in compiled)
-        plan[name] = tensor_type(
-            name, shape, mix, arch, overrides=overrides, has_imatrix=has_imatrix,
-            output_tensor_type=output_tensor_type, tied_embeddings=tied, counter=counters.get(kind),
-        )  # fmt: skip
-        counted = allows_quantization(name, shape) and is_quantized(DEFAULT_TYPE[mix]) and not manual
-        if kind in counters and counted:
+        plan[name] = _choose(name, shape, cat, allowed, mix, arch, compiled, has_imatrix, ott, tied, counters.get(kind))
+        if kind in counters and allowed and quantized_default and not any(p.search(name) for p, _ in compiled):
             counters[kind] += 1
     return {name: plan[name] for name in shapes}
 

@@ -50,11 +50,14 @@ def row_nbytes(type_name: str, row_length: int) -> int:
 
 def tensor_nbytes(type_name: str, shape: Sequence[int]) -> int:
     """Exact data bytes of a tensor of `shape` (HF orientation: the last dim is the row) in `type_name`."""
-    shape = tuple(int(d) for d in shape)
-    if not shape:
-        shape = (1,)
-    rows = math.prod(shape[:-1])
-    return rows * row_nbytes(type_name, shape[-1])
+    if type(shape) is tuple and shape:  # the common case, remembered: planning asks for the same shapes per layer
+        return _tensor_nbytes(type_name, shape)
+    return _tensor_nbytes(type_name, tuple(int(d) for d in shape) or (1,))
+
+
+@functools.lru_cache(maxsize=65536)
+def _tensor_nbytes(type_name: str, shape: tuple[int, ...]) -> int:
+    return math.prod(shape[:-1]) * row_nbytes(type_name, int(shape[-1]))
 
 
 def aligned(n: int, alignment: int) -> int:

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-
 from llmopt.errors import InputError
 from llmopt.model.families import Family, family_for_gguf, family_for_hf
 from llmopt.model.validate import MAX_DIM, MAX_LAYERS, check_heads, integer, number
@@ -170,4 +168,6 @@ class ArchSpec:
 
 def _f32(value: Any) -> float:
     """A float32 from GGUF as the shortest decimal that round-trips (1e-05, not 9.99999974e-06)."""
+    import numpy as np  # here, not at the top: only GGUF metadata needs it, and `recommend` starts without numpy
+
     return float(str(np.float32(value)))

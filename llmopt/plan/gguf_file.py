@@ -10,10 +10,10 @@ otherwise estimated from the vocabulary.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 from llmopt.formats.gguf.types import aligned, tensor_nbytes
-from llmopt.model.gguf_header import read_gguf
 from llmopt.plan.arch_tensors import PlannedTensor
 
 HEADER_BYTES = 4 + 4 + 8 + 8  # magic, version, tensor count, key/value count
@@ -33,6 +33,8 @@ def _kv_entry_bytes(key: str, value_bytes: int) -> int:
 
 def measured_metadata_bytes(path: Path) -> tuple[int, int]:
     """(key/value bytes after llama-quantize's edits, alignment) of an existing GGUF file."""
+    from llmopt.model.gguf_header import read_gguf  # gguf and numpy only when a file is read
+
     header = read_gguf(path)
     kept = sum(n for key, n in header.kv_bytes.items() if not (key.startswith(_DROPPED_PREFIX) or key in _U32_KEYS))
     return kept + sum(_kv_entry_bytes(k, 4) for k in _U32_KEYS), header.alignment
@@ -40,6 +42,8 @@ def measured_metadata_bytes(path: Path) -> tuple[int, int]:
 
 def tensor_directory(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """GGUF name -> (GGML type name, HF-orientation shape) of every tensor in a GGUF file."""
+    from llmopt.model.gguf_header import read_gguf
+
     return {t.name: (t.tensor_type.name, tuple(reversed(t.shape))) for t in read_gguf(path).tensors}
 
 
@@ -57,5 +61,6 @@ def gguf_file_bytes(tensors: list[PlannedTensor], types: dict[str, str], metadat
                     alignment: int = DEFAULT_ALIGNMENT) -> int:
     """Exact file size of a GGUF holding `tensors` with these GGML `types` and metadata."""
     directory = sum(tensor_info_bytes(t.gguf_name, len(t.shape)) for t in tensors)
-    data = sum(aligned(tensor_nbytes(types[t.gguf_name], t.shape), alignment) for t in tensors)
+    pairs = Counter((types[t.gguf_name], t.shape) for t in tensors)  # layers repeat a few (type, shape) pairs
+    data = sum(n * aligned(tensor_nbytes(type_name, shape), alignment) for (type_name, shape), n in pairs.items())
     return aligned(HEADER_BYTES + metadata_bytes + directory, alignment) + data

@@ -14,13 +14,12 @@ override skips the rules and so does not advance the counter: `plan_shapes` repr
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 
-from gguf.constants import LlamaFileType
-
 from llmopt.errors import InputError, OptionError
-from llmopt.formats.gguf.types import block_geometry, ggml_type, is_quantized
+from llmopt.formats.gguf.types import block_geometry, ggml_info, is_quantized
 from llmopt.model.arch import ArchSpec
 
 MIXES: tuple[str, ...] = (
@@ -50,7 +49,9 @@ def check_mix(mix: str) -> str:
 
 
 def file_type(mix: str) -> int:
-    """`general.file_type` (llama_ftype) of a mix."""
+    """`general.file_type` (llama_ftype) of a mix (gguf's table, imported only when a file is written)."""
+    from gguf.constants import LlamaFileType
+
     return int(LlamaFileType[f"MOSTLY_{check_mix(mix)}"])
 
 
@@ -160,7 +161,7 @@ def _compile_overrides(overrides: Sequence[tuple[str, str]]) -> list[tuple[re.Pa
     compiled = []
     for pattern, type_name in overrides:
         try:
-            compiled.append((re.compile(pattern), ggml_type(type_name).name))
+            compiled.append((re.compile(pattern), ggml_info(type_name).name))
         except re.error as e:
             raise OptionError(f"bad <tensor_types> regex {pattern!r}: {e}") from None
     return compiled
@@ -186,7 +187,7 @@ def tensor_type(
     """
     mix = check_mix(mix)
     tied = arch.tie_word_embeddings if tied_embeddings is None else tied_embeddings
-    ott = ggml_type(output_tensor_type).name if output_tensor_type is not None else None
+    ott = ggml_info(output_tensor_type).name if output_tensor_type is not None else None
     return _choose(gguf_name, shape, category(gguf_name), allows_quantization(gguf_name, shape), mix, arch,
                    _compile_overrides(overrides), has_imatrix, ott, tied, counter)  # fmt: skip
 
@@ -235,20 +236,39 @@ def plan_shapes(
     """`tensor_type` for every (gguf name -> HF shape), with llama.cpp's running counters."""
     mix = check_mix(mix)
     compiled = _compile_overrides(overrides)
-    ott = ggml_type(output_tensor_type).name if output_tensor_type is not None else None
+    ott = ggml_info(output_tensor_type).name if output_tensor_type is not None else None
     tied = "output.weight" not in shapes
     quantized_default = is_quantized(DEFAULT_TYPE[mix])
     counters = {"attn_v": 0, "ffn_down": 0}
+    # Without overrides a tensor's type depends on its name only through its category and counter,
+    # so tensors that share (category, shape, counter) share a type: `recommend` plans ~10^5 tensors.
+    same: dict[tuple, str] | None = {} if not compiled else None
     plan: dict[str, str] = {}
-    for name in llama_order(list(shapes)):
-        shape = shapes[name]
-        cat = category(name)
-        allowed = allows_quantization(name, shape)
-        kind = "attn_v" if cat in ("attn_v", "attn_qkv", "attn_kv_b") else cat
-        plan[name] = _choose(name, shape, cat, allowed, mix, arch, compiled, has_imatrix, ott, tied, counters.get(kind))
-        if kind in counters and allowed and quantized_default and not any(p.search(name) for p, _ in compiled):
+    for name, shape, cat, allowed, kind in _skeleton(tuple(shapes), tuple(tuple(s) for s in shapes.values())):
+        counter = counters.get(kind)
+        if same is None:
+            plan[name] = _choose(name, shape, cat, allowed, mix, arch, compiled, has_imatrix, ott, tied, counter)
+        else:
+            key = (cat, allowed, shape, counter)
+            if key not in same:
+                same[key] = _choose(name, shape, cat, allowed, mix, arch, compiled, has_imatrix, ott, tied, counter)
+            plan[name] = same[key]
+        if counter is not None and allowed and quantized_default and not any(p.search(name) for p, _ in compiled):
             counters[kind] += 1
     return {name: plan[name] for name in shapes}
+
+
+@functools.lru_cache(maxsize=64)
+def _skeleton(names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple, ...]:
+    """(name, shape, category, quantizable, counter kind) in llama.cpp's loader order: the part of a
+    plan that no mix changes, remembered for the next mix of the same model."""
+    by_name = dict(zip(names, shapes))
+    rows = []
+    for name in llama_order(names):
+        cat = category(name)
+        kind = "attn_v" if cat in ("attn_v", "attn_qkv", "attn_kv_b") else cat
+        rows.append((name, by_name[name], cat, allows_quantization(name, by_name[name]), kind))
+    return tuple(rows)
 
 
 def gguf_shapes(source) -> dict[str, tuple[int, ...]]:  # noqa: ANN001 - ModelSource (import cycle-free)

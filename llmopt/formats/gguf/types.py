@@ -1,7 +1,8 @@
-"""GGML tensor types: block geometry and exact on-disk sizes, from the `gguf` package's table.
+"""GGML tensor types: block geometry and exact on-disk sizes.
 
-Sizes come from `gguf.constants.GGML_QUANT_SIZES` (elements per block, bytes per block), so they are
-the ones llama.cpp uses; `tensor_nbytes` is what `--dry-run` and `recommend` add up.
+Sizes come from llmopt/model/ggml_types.py (llama.cpp's type traits as data, checked equal to the
+`gguf` package's `GGML_QUANT_SIZES`); `tensor_nbytes` is what `--dry-run` and `recommend` add up.
+Nothing here imports `gguf` (numpy and its reader) except `ggml_type`, which writers call.
 """
 
 from __future__ import annotations
@@ -9,10 +10,13 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from typing import TYPE_CHECKING
 
 from llmopt.errors import InputError
+from llmopt.model.ggml_types import GGML_TYPES, GGMLType
+
+if TYPE_CHECKING:
+    from gguf.constants import GGMLQuantizationType
 
 # The types llmopt writes (float containers, legacy 32-blocks, K-quant 256-super-blocks).
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -21,18 +25,26 @@ K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 WRITABLE_TYPES = FLOAT_TYPES + LEGACY_TYPES + K_TYPES
 
 
-def ggml_type(type_name: str) -> GGMLQuantizationType:
-    """The `gguf` enum member for a type name such as "Q4_K" (case-insensitive)."""
+def ggml_info(type_name: str) -> GGMLType:
+    """The table row of a type name such as "Q4_K" (case-insensitive)."""
     try:
-        return GGMLQuantizationType[type_name.upper()]
+        return GGML_TYPES[type_name.upper()]
     except KeyError:
         raise InputError(f"unknown GGML type {type_name!r}; llmopt writes: {', '.join(WRITABLE_TYPES)}") from None
+
+
+def ggml_type(type_name: str) -> GGMLQuantizationType:
+    """The `gguf` enum member for a type name (what gguf's writer takes)."""
+    from gguf.constants import GGMLQuantizationType
+
+    return GGMLQuantizationType(ggml_info(type_name).id)
 
 
 @functools.cache
 def block_geometry(type_name: str) -> tuple[int, int]:
     """(elements per block, bytes per block) of a GGML type (remembered: `recommend` asks it ~10^6 times)."""
-    return GGML_QUANT_SIZES[ggml_type(type_name)]
+    info = ggml_info(type_name)
+    return info.block, info.nbytes
 
 
 def is_quantized(type_name: str) -> bool:

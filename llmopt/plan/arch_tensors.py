@@ -31,8 +31,12 @@ class PlannedTensor:
 
     @property
     def linears(self) -> int:
-        """How many separate [out, in] matrices this tensor holds (experts are stored merged in GGUF)."""
-        return self.shape[0] if self.role == EXPERT else 1
+        return linear_count(self.role, self.shape)
+
+
+def linear_count(role: str, shape: tuple[int, ...]) -> int:
+    """How many separate [out, in] matrices a tensor holds (experts are stored merged in GGUF)."""
+    return shape[0] if role == EXPERT else 1
 
 
 def num_experts(arch: ArchSpec) -> int:

@@ -9,13 +9,14 @@ unquantized (embeddings, head, norms, biases, routers) in fp16. Nothing here is 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from llmopt.errors import InputError
 from llmopt.formats.gguf.mixes import plan_shapes
 from llmopt.formats.gguf.types import tensor_nbytes
 from llmopt.model.arch import ArchSpec
-from llmopt.plan.arch_tensors import EXPERT, LINEAR, ROUTER, PlannedTensor
+from llmopt.plan.arch_tensors import EXPERT, LINEAR, ROUTER, PlannedTensor, linear_count
 
 FP16 = 2
 
@@ -77,9 +78,9 @@ def gguf_tensor_types(arch: ArchSpec, tensors: list[PlannedTensor], mix: str) ->
 def gguf_weight_size(arch: ArchSpec, tensors: list[PlannedTensor], fmt: WeightFormat) -> WeightSize:
     types = gguf_tensor_types(arch, tensors, fmt.mix or fmt.name)
     size = WeightSize(fmt, 0, 0, _params(tensors), tensor_types=types)
-    for t in tensors:
-        nbytes = tensor_nbytes(types[t.gguf_name], t.shape)
-        _add(size, t, types[t.gguf_name], nbytes)
+    # A model's layers repeat a few (type, shape) pairs: size each pair once.
+    for (type_name, shape, role), n in Counter((types[t.gguf_name], t.shape, t.role) for t in tensors).items():
+        _add(size, role, type_name, n * tensor_nbytes(type_name, shape))
     return size
 
 
@@ -111,15 +112,13 @@ def packed_weight_size(tensors: list[PlannedTensor], fmt: WeightFormat) -> Weigh
     assert fmt.bits is not None and fmt.group_size is not None
     linear_bytes = gptq_linear_bytes if fmt.kind == "gptq" else awq_linear_bytes
     size = WeightSize(fmt, 0, 0, _params(tensors))
-    for t in tensors:
-        if t.hf_name is None:  # GGUF-only tensors do not exist in HF checkpoints
-            continue
-        if t.role in (LINEAR, EXPERT):
-            out_f, in_f = t.shape[-2], t.shape[-1]
-            nbytes = t.linears * sum(linear_bytes(out_f, in_f, fmt.bits, fmt.group_size).values())
-            _add(size, t, f"int{fmt.bits}+fp16 scales", nbytes)
+    # GGUF-only tensors do not exist in HF checkpoints; the rest are sized once per (role, shape).
+    for (role, shape), n in Counter((t.role, t.shape) for t in tensors if t.hf_name is not None).items():
+        if role in (LINEAR, EXPERT):
+            nbytes = linear_count(role, shape) * sum(linear_bytes(shape[-2], shape[-1], fmt.bits, fmt.group_size).values())
+            _add(size, role, f"int{fmt.bits}+fp16 scales", n * nbytes)
         else:
-            _add(size, t, "F16", FP16 * t.numel)
+            _add(size, role, "F16", n * FP16 * math.prod(shape))
     return size
 
 
@@ -131,8 +130,8 @@ def _params(tensors: list[PlannedTensor]) -> int:
     return sum(t.numel for t in tensors if t.hf_name is not None)
 
 
-def _add(size: WeightSize, t: PlannedTensor, type_name: str, nbytes: int) -> None:
+def _add(size: WeightSize, role: str, type_name: str, nbytes: int) -> None:
     size.total_bytes += nbytes
     size.types[type_name] = size.types.get(type_name, 0) + nbytes
-    if t.role == EXPERT:
+    if role == EXPERT:
         size.expert_bytes += nbytes

@@ -14,15 +14,18 @@ from llmopt.plan.recommend import USE_CASES, Budget, Workload, recommend_for_mod
 _MEM = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(gib|gb|g)?\s*$", re.IGNORECASE)
 
 
-def parse_mem(text: str) -> int:
-    """"48", "48GB", "48GiB" -> bytes. GPU memory is sold in GiB ("24 GB" cards hold 24 GiB)."""
-    m = _MEM.match(text)
+def parse_mem(text: str | float) -> int:
+    """"48", "48GB", "48GiB" (or the number 48 from Python) -> bytes. GPU memory is sold in GiB
+    ("24 GB" cards hold 24 GiB)."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        text = repr(text)
+    m = _MEM.match(text) if isinstance(text, str) else None
     if not m or float(m.group(1)) <= 0:
         raise OptionError(f"bad <mem> {text!r}: give a positive memory size in GiB, such as 24 or 80GB")
     return int(float(m.group(1)) * GIB)
 
 
-def recommend(*, mem: str | None = None, model: str | None = None, params: str | None = None, context: int = 4096,
+def recommend(*, mem: str | float | None = None, model: str | None = None, params: str | None = None, context: int = 4096,
               batch: int = 1, kv_dtype: str = "f16", gpu: str | None = None, bandwidth: float | None = None,
               tp: int = 1, use_case: str | None = None) -> dict[str, Any]:  # fmt: skip
     """Every candidate format of `model` (or of every preset) under the budget, with exact sizes,

@@ -101,3 +101,16 @@ def test_automatic_mix_fills_the_budget_between_the_smallest_file_and_f16():
     assert "--target-size" in auto["command"] and "meta-llama/" in auto["command"]
     assert recommend(mem="400", model="llama-3-70b")["automatic"] is None  # F16 fits: nothing to choose
     assert recommend(mem="8", model="llama-3-70b")["automatic"] is None  # not even the smallest types fit
+
+
+def test_the_python_api_takes_the_memory_budget_as_a_number_or_text():
+    import pytest
+
+    from llmopt.api.recommend import parse_mem
+    from llmopt.errors import OptionError
+
+    assert parse_mem(48) == parse_mem("48") == parse_mem("48GB") == 48 * GIB
+    assert parse_mem(0.5) == GIB // 2
+    for bad in (0, -1, True, float("nan"), "lots", [48]):
+        with pytest.raises(OptionError, match="mem"):
+            parse_mem(bad)

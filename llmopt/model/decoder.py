@@ -10,6 +10,7 @@ Parameter names match HF's without the leading "model.", so weights load straigh
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -21,12 +22,37 @@ from llmopt.model.arch import ArchSpec
 from llmopt.model.rope import inv_freq
 from llmopt.model.source import ModelSource
 
-Position = int | torch.Tensor  # where a forward's tokens start: an int, or a [1] tensor in a fixed-shape step
+
+@dataclass
+class AttentionGroup:
+    """Sequences of a packed forward that attend together, padded to one shape: B sequences,
+    up to t queries each, over up to s cached keys each."""
+
+    queries: torch.Tensor  # [B, t] indices into the packed token axis (padding repeats a valid one)
+    valid: torch.Tensor  # [B, t] bool: which of them are real
+    keys: torch.Tensor  # [B, s] cache slots of each sequence's keys, oldest first (padding: any slot)
+    mask: torch.Tensor  # [B, 1, t, s] bool: which keys each query may see
+
+
+@dataclass
+class Packed:
+    """Several sequences packed along one token axis ([1, T] ids), as continuous batching runs them:
+    each token has its own position, its own cache slot to write, and attends only within its own
+    sequence (`groups`). The linears see one matrix of T rows; attention runs group by group."""
+
+    positions: torch.Tensor  # [T] position of each token in its sequence (for rope)
+    slots: torch.Tensor  # [T] the cache slot each token's K/V is written to
+    groups: list[AttentionGroup]
+
+
+Position = int | torch.Tensor | Packed  # where a forward's tokens start: an int, a [1] tensor in a fixed-shape step,
+# or a packed batch of sequences
 
 
 class KVCache(Protocol):
     """What attention needs from a cache: store this step's K/V at `start`, return the K/V to attend
-    over (every position so far; for a tensor `start`, the whole fixed-size buffer)."""
+    over (every position so far; for a tensor `start`, the whole fixed-size buffer; for a `Packed`
+    batch, every slot, [kv_heads, slots, head_dim], which its groups index)."""
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: Position) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -87,19 +113,38 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         if cache is not None:
             k, v = cache.update(self.layer, k, v, start)
-        mask = attention_mask(t, k.shape[2], start, self.window, x.device)
-        if t <= SMALL_QUERY:
-            o = grouped_attention(q, k, v, mask)
-            return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-        if self.n_kv != self.n_heads:
-            k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
-            v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1)
+        if isinstance(start, Packed):
+            o = packed_attention(q, k, v, start)
+        else:
+            o = attend(q, k, v, attention_mask(t, k.shape[2], start, self.window, x.device))
         del q, k, v  # not held while o_proj runs (the quantization pipeline pauses there, every chunk at once)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
 
 SMALL_QUERY = 16  # decode steps and speculative verification: at most this many new tokens
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q kᵀ / √d) v for q [b, heads, t, d] over k, v [b, kv_heads, s, d] (grouped-query);
+    `mask` [t, s] or [b, 1, t, s] marks the keys each query sees (None: plain causal)."""
+    t = q.shape[2]
+    if t <= SMALL_QUERY:
+        return grouped_attention(q, k, v, mask)
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1)
+
+
+def packed_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, packed: Packed) -> torch.Tensor:
+    """Attention for a packed batch: q [1, heads, T, d]; k_slots, v_slots [kv_heads, slots, d] (the
+    whole cache layer). Each group gathers its sequences' queries and keys into one padded batch."""
+    out = torch.empty_like(q)
+    for g in packed.groups:
+        o = attend(q[0][:, g.queries].transpose(0, 1), k_slots[:, g.keys].transpose(0, 1),
+                   v_slots[:, g.keys].transpose(0, 1), g.mask)  # [B, heads, t, d]
+        out[0][:, g.queries[g.valid]] = o.transpose(0, 1)[:, g.valid]
+    return out
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -115,8 +160,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     scores = (q.reshape(b, n_kv, rep * t, d) @ k.transpose(-1, -2)) * (d ** -0.5)  # [b, n_kv, rep*t, s]
     if mask is None and t > 1:  # plain causal: the queries are the last t positions
         mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - t)
-    if mask is not None:
-        scores = scores.masked_fill(~mask.repeat(rep, 1), float("-inf"))
+    if mask is not None:  # the rows of one KV head's group are (query head, query) pairs, heads outermost
+        scores = scores.masked_fill(~(mask.repeat(rep, 1) if mask.dim() == 2 else mask.repeat(1, 1, rep, 1)), float("-inf"))
     weights = scores.float().softmax(-1).to(v.dtype)
     return (weights @ v).view(b, h, t, d)
 
@@ -183,6 +228,11 @@ class Rotary(nn.Module):
             self.table = self.compute(0, size, dtype)  # grown rarely: decode steps just slice it
         return self.table[0][start:end], self.table[1][start:end]
 
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows of arbitrary positions (a packed batch: each token at its own)."""
+        cos, sin = self(0, int(positions.max()) + 1, dtype)
+        return cos[positions], sin[positions]
+
     def compute(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(start, start + length, device=self.inv_freq.device, dtype=torch.float32)
         freqs = torch.outer(pos, self.inv_freq.float())
@@ -208,9 +258,12 @@ class Decoder(nn.Module):
     def hidden(self, ids: torch.Tensor, start: Position = 0, cache: KVCache | None = None,
                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Final-norm hidden states: prefill applies the LM head to the last position only.
-        `rope` gives the cos/sin rows of these positions (a fixed-shape step selects them itself)."""
+        `rope` gives the cos/sin rows of these positions (a fixed-shape step selects them itself).
+        A `Packed` start runs several sequences as one [1, T] row (continuous batching)."""
         x = self.embed_tokens(ids)
-        cos, sin = rope if rope is not None else self.rotary(start, ids.shape[1], x.dtype)
+        if rope is None:
+            rope = self.rotary.at(start.positions, x.dtype) if isinstance(start, Packed) else self.rotary(start, ids.shape[1], x.dtype)
+        cos, sin = rope
         for block in self.layers:
             x = block(x, cos, sin, start, cache)
         return self.norm(x)

@@ -17,8 +17,8 @@ from llmopt.model.decoder import Decoder
 from llmopt.model.kv_cache import CacheFactory, GenerationCache, StaticKVCache
 from llmopt.model.tokenizer import TokenizerInfo
 from llmopt.runtime.compiled import CompiledDecoder
-from llmopt.runtime.sampling import SamplingConfig, apply_repetition_penalty, next_token, probabilities
-from llmopt.runtime.speculative import Drafter, one_hot_rows, verify
+from llmopt.runtime.sampling import SamplingConfig, next_token
+from llmopt.runtime.speculative import Drafter, accept_drafts
 from llmopt.runtime.stream import TextStream
 
 
@@ -33,7 +33,8 @@ class Metrics:
     accepted_tokens: int | None = None
     acceptance_rate: float | None = None
     target_forwards: int = 0  # forward passes of the target model after prefill
-    stop_reason: str = ""  # "eos", "stop", "max_tokens"
+    stop_reason: str = ""  # "eos", "stop", "max_tokens" ("cancelled" in a batch)
+    cached_tokens: int | None = None  # prompt tokens whose K/V came from the prefix cache (batch engine)
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -65,6 +66,58 @@ def eos_ids(tok: TokenizerInfo | None, extra: list[int] | None = None) -> set[in
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class Output:
+    """One request's output as it grows: appends accepted tokens to `ids`, streams their text, notes
+    when the first one came, and says when to stop (EOS, a stop string, `max_tokens`). The
+    one-sequence loop and the batch engine both commit through it."""
+
+    def __init__(self, ids: list[int], max_tokens: int, eos: set[int], ignore_eos: bool, stream: TextStream | None,
+                 on_text: Callable[[str], None] | None, device: torch.device):
+        self.ids, self.max_tokens, self.eos, self.ignore_eos = ids, max_tokens, eos, ignore_eos
+        self.stream, self.on_text, self.device = stream, on_text, device
+        self.new: list[int] = []
+        self.t_first: float | None = None
+
+    def commit(self, tokens: list[int]) -> str | None:
+        """Append tokens; return why generation stops, or None to go on."""
+        for t in tokens:
+            if t in self.eos and not self.ignore_eos:
+                return "eos"
+            self.ids.append(t)
+            self.new.append(t)
+            if self.t_first is None:
+                _sync(self.device)
+                self.t_first = time.perf_counter()
+            if self.stream is not None:
+                piece = self.stream.push(t)
+                if piece and self.on_text:
+                    self.on_text(piece)
+                if self.stream.stopped:
+                    return "stop"
+            if len(self.new) >= self.max_tokens:
+                return "max_tokens"
+        return None
+
+    def result(self, reason: str, metrics: Metrics, t0: float, t_end: float) -> GenerationResult:
+        """The text, the new ids and the metrics, timed from `t0` (the request's start) to `t_end`."""
+        if self.stream is not None:
+            tail = self.stream.finish()
+            if tail and self.on_text:
+                self.on_text(tail)
+        new = self.new
+        metrics.stop_reason = reason
+        metrics.generated_tokens = len(new)
+        first = self.t_first if self.t_first is not None else t_end
+        metrics.ttft_ms = 1000 * (first - t0)
+        if len(new) > 1:
+            metrics.tpot_ms = 1000 * (t_end - first) / (len(new) - 1)
+            metrics.tokens_per_s = (len(new) - 1) / max(t_end - first, 1e-9)
+        if metrics.drafted_tokens:
+            metrics.acceptance_rate = metrics.accepted_tokens / metrics.drafted_tokens
+        text = self.stream.text if self.stream is not None else ""
+        return GenerationResult(text=text, token_ids=new, metrics=metrics)
 
 
 class Generator:
@@ -120,53 +173,14 @@ class Generator:
         t0 = time.perf_counter()
         ids = list(prompt_ids)
         logits = self.prefill(torch.tensor(ids, device=self.device), cache)
-        new: list[int] = []
         token = next_token(logits, sampling, self._history(ids, sampling), generator)
-        t_first = None
-
-        def commit(tokens: list[int]) -> str | None:
-            """Append tokens; return why generation stops, or None to go on."""
-            nonlocal t_first
-            for t in tokens:
-                if t in self.eos and not ignore_eos:
-                    return "eos"
-                ids.append(t)
-                new.append(t)
-                if t_first is None:
-                    _sync(self.device)
-                    t_first = time.perf_counter()
-                if stream is not None:
-                    piece = stream.push(t)
-                    if piece and on_text:
-                        on_text(piece)
-                    if stream.stopped:
-                        return "stop"
-                if len(new) >= max_tokens:
-                    return "max_tokens"
-            return None
-
-        reason = commit([token])
+        out = Output(ids, max_tokens, self.eos, ignore_eos, stream, on_text, self.device)
+        reason = out.commit([token])
         step = self._speculative_step if speculative else self._plain_step
         while reason is None:
-            reason = commit(step(ids, cache, sampling, generator, metrics))
+            reason = out.commit(step(ids, cache, sampling, generator, metrics))
         _sync(self.device)
-        t_end = time.perf_counter()
-
-        if stream is not None:
-            tail = stream.finish()
-            if tail and on_text:
-                on_text(tail)
-        metrics.stop_reason = reason
-        metrics.generated_tokens = len(new)
-        first = t_first if t_first is not None else t_end
-        metrics.ttft_ms = 1000 * (first - t0)
-        if len(new) > 1:
-            metrics.tpot_ms = 1000 * (t_end - first) / (len(new) - 1)
-            metrics.tokens_per_s = (len(new) - 1) / max(t_end - first, 1e-9)
-        if speculative and metrics.drafted_tokens:
-            metrics.acceptance_rate = metrics.accepted_tokens / metrics.drafted_tokens
-        text = stream.text if stream is not None else ""
-        return GenerationResult(text=text, token_ids=new, metrics=metrics)
+        return out.result(reason, metrics, t0, time.perf_counter())
 
     def _history(self, ids: list[int], sampling: SamplingConfig) -> torch.Tensor:
         """The ids the repetition penalty looks at (none when it is off)."""
@@ -190,19 +204,12 @@ class Generator:
         drafts, q = self.drafter.propose(ids, self.num_draft, sampling, generator)
         if not drafts:  # nothing to propose (no n-gram match): an ordinary step
             return self._plain_step(ids, cache, sampling, generator, metrics)
-        vocab = self.model.arch.vocab_size
         block = torch.tensor([[ids[-1], *drafts]], device=self.device)
         logits = self.model(block, n - 1, cache)[0].float()  # [K+1, V]
         metrics.target_forwards += 1
-        history = torch.tensor(ids + drafts, device=self.device)
-        p = torch.stack([probabilities(apply_repetition_penalty(logits[i], history[:n + i], sampling.repetition_penalty), sampling)
-                         for i in range(len(drafts) + 1)])
-        if q is None:
-            q = one_hot_rows(drafts, vocab, self.device)
-        accepted, token = verify(p, q.to(p.device), torch.tensor(drafts, device=self.device, dtype=torch.long), generator)
-        a = int(accepted)
+        a, token = accept_drafts(logits, ids, drafts, q, sampling, generator)
         metrics.drafted_tokens += len(drafts)
         metrics.accepted_tokens += a
         cache.truncate(n + a)  # ids[-1] and the accepted drafts stay; the rest is overwritten next step
         self.drafter.rollback(n + min(a, max(len(drafts) - 1, 0)))
-        return [*drafts[:a], int(token)]
+        return [*drafts[:a], token]

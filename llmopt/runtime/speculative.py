@@ -45,6 +45,20 @@ def verify(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
     return accepted, sample(dist / dist.sum(-1, keepdim=True), generator)
 
 
+def accept_drafts(logits: torch.Tensor, ids: list[int], drafts: list[int], q: torch.Tensor | None,
+                  cfg: SamplingConfig, generator: torch.Generator | None) -> tuple[int, int]:
+    """The verdict on `drafts` proposed after `ids`, from the target's `logits` [K+1, V] at the last
+    id and each draft: how many drafts to keep, and the token after them."""
+    n = len(ids)
+    history = torch.tensor(ids + drafts, device=logits.device)
+    p = torch.stack([probabilities(apply_repetition_penalty(logits[i], history[:n + i], cfg.repetition_penalty), cfg)
+                     for i in range(len(drafts) + 1)])
+    if q is None:
+        q = one_hot_rows(drafts, logits.shape[-1], logits.device)
+    accepted, token = verify(p, q.to(p.device), torch.tensor(drafts, device=logits.device, dtype=torch.long), generator)
+    return int(accepted), int(token)
+
+
 def one_hot_rows(tokens: list[int], vocab: int, device: torch.device) -> torch.Tensor:
     return torch.nn.functional.one_hot(torch.tensor(tokens, device=device), vocab).float()
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from llmopt.errors import OptionError
+from llmopt.errors import InputError, OptionError
 from llmopt.runtime.chat import apply_chat_template
 from llmopt.runtime.generate import GenerationResult, Generator
 from llmopt.runtime.sampling import SamplingConfig
@@ -39,10 +42,7 @@ def generate(model: str | Path | LoadedModel, prompt: str, *, max_tokens: int = 
     tok = target.tokenizer
     if tok is None:
         raise OptionError(f"{target.path}: has no tokenizer, so it cannot take a text prompt")
-    if chat:
-        ids = tok.tokenizer.encode(apply_chat_template(tok, prompt, system), add_special_tokens=False).ids
-    else:
-        ids = tok.encode(prompt)
+    ids = _encode(tok, prompt, chat, system)
     max_tokens = _fit_context(len(ids), max_tokens, target.model.arch.max_position_embeddings)
     drafter = None
     if draft:
@@ -54,6 +54,124 @@ def generate(model: str | Path | LoadedModel, prompt: str, *, max_tokens: int = 
         drafter = PromptLookup(prompt_lookup)
     gen = Generator(target.model, tok, drafter, num_draft, prefill_chunk, compile=compile)
     return gen.generate(ids, max_tokens, sampling, list(stop), seed, ignore_eos, on_text)
+
+
+# What one request of a batch may set for itself (a line of `--prompts`), and the JSON types it takes.
+REQUEST_KEYS: dict[str, tuple[type, ...]] = {
+    "prompt": (str,), "id": (str, int, float, bool, list, dict, type(None)), "max_tokens": (int,), "temperature": (int, float),
+    "top_k": (int,), "top_p": (int, float), "min_p": (int, float), "repetition_penalty": (int, float), "seed": (int,),
+    "stop": (str, list), "ignore_eos": (bool,),
+}
+
+
+@dataclass
+class BatchOutput:
+    """`generate_batch`'s results (in the order of the prompts) and how the batch ran."""
+
+    results: list[GenerationResult]
+    seconds: float
+    forwards: int  # packed forward passes
+    preemptions: int
+    kv_blocks: int
+    block_size: int
+
+
+def read_prompts(path: str | Path) -> tuple[list[dict], list[str]]:
+    """The requests of a JSON-lines file (one object a line: "prompt" and optional per-request
+    settings, see `REQUEST_KEYS`; blank lines skipped) and their labels, "FILE:LINE", for errors."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: cannot read prompts ({e.__class__.__name__}: {e})") from None
+    entries, labels = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        label = f"{path}:{number}"
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{label}: not a JSON object ({e.msg} at column {e.colno})") from None
+        entries.append(check_request(entry, label))
+        labels.append(label)
+    if not entries:
+        raise InputError(f"{path}: no prompts (expected one JSON object a line)")
+    return entries, labels
+
+
+def check_request(entry: object, label: str) -> dict:
+    """`entry` if it is a request object of known keys with values of the right JSON types."""
+    if not isinstance(entry, dict):
+        raise InputError(f"{label}: expected a JSON object with a \"prompt\", got {type(entry).__name__}")
+    if not isinstance(entry.get("prompt"), str):
+        raise InputError(f"{label}: needs \"prompt\": a string")
+    for key, value in entry.items():
+        if key not in REQUEST_KEYS:
+            raise InputError(f"{label}: unknown key {key!r} (known: {', '.join(REQUEST_KEYS)})")
+        types = REQUEST_KEYS[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise InputError(f"{label}: {key!r} must be {' or '.join(t.__name__ for t in types)}, got {json.dumps(value)[:40]}")
+    stop = entry.get("stop")
+    if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
+        raise InputError(f"{label}: 'stop' must be a string or a list of strings")
+    return entry
+
+
+def generate_batch(model: str | Path | LoadedModel, prompts: Sequence[str | Mapping], *, labels: Sequence[str] | None = None,
+                   max_batch: int = 16, kv_blocks: int = 0, block_size: int = 16, max_tokens: int = 256,
+                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                   repetition_penalty: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
+                   ignore_eos: bool = False, chat: bool = False, system: str | None = None, num_draft: int = 4,
+                   prompt_lookup: int = 0, prefill_chunk: int = 512, dtype: str = "auto", device: str = "auto",
+                   packed: bool = True) -> BatchOutput:  # fmt: skip
+    """Continue many prompts at once (continuous batching over a paged KV cache with prefix sharing).
+    A prompt is a string or a mapping with "prompt" and any of `REQUEST_KEYS`, which override the
+    keyword defaults for that request. `prefill_chunk` is the token budget of one forward;
+    `kv_blocks` 0 sizes the pool for the `max_batch` longest requests at once."""
+    from llmopt.runtime.batch import BatchEngine, Request, pool_blocks
+    from llmopt.runtime.paged import BlockPool
+
+    if max_batch < 1:
+        raise OptionError(f"<max_batch> must be at least 1, got {max_batch}")
+    if kv_blocks < 0 or block_size < 1:
+        raise OptionError("<kv_blocks> must be >= 0 (0 = enough for <max_batch> requests) and <block_size> >= 1")
+    defaults = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                    repetition_penalty=repetition_penalty, seed=seed, stop=list(stop), ignore_eos=ignore_eos)
+    check_options(**{k: v for k, v in defaults.items() if k not in ("stop", "ignore_eos")}, chat=chat, system=system,
+                  num_draft=num_draft, prompt_lookup=prompt_lookup, prefill_chunk=prefill_chunk)
+    labels = list(labels) if labels is not None else [f"prompt {i + 1}" for i in range(len(prompts))]
+    entries = [check_request({"prompt": p} if isinstance(p, str) else dict(p), label) for p, label in zip(prompts, labels)]
+    target = model if isinstance(model, LoadedModel) else load(model, dtype=dtype, device=device, packed=packed)
+    tok = target.tokenizer
+    if tok is None:
+        raise OptionError(f"{target.path}: has no tokenizer, so it cannot take a text prompt")
+    context = target.model.arch.max_position_embeddings
+    requests = []
+    for entry, label in zip(entries, labels):
+        opts = {**defaults, **{k: v for k, v in entry.items() if k in defaults}}
+        try:
+            sampling = check_options(**{k: v for k, v in opts.items() if k not in ("stop", "ignore_eos")})
+            ids = _encode(tok, entry["prompt"], chat, system)
+            opts["max_tokens"] = _fit_context(len(ids), opts["max_tokens"], context)
+        except OptionError as e:
+            raise InputError(f"{label}: {e.render()}") from None
+        stops = [opts["stop"]] if isinstance(opts["stop"], str) else opts["stop"]
+        requests.append(Request(ids, opts["max_tokens"], sampling, tuple(stops), opts["seed"], opts["ignore_eos"]))
+    lookahead = num_draft + 1 if prompt_lookup else 1
+    blocks = kv_blocks or pool_blocks([len(r.prompt_ids) + r.max_tokens + lookahead for r in requests], max_batch, block_size)
+    pool = BlockPool(target.model.arch, blocks, block_size, target.dtype, target.device)
+    engine = BatchEngine(target.model, pool, tok, max_batch=max_batch, token_budget=prefill_chunk,
+                         prompt_lookup=prompt_lookup, num_draft=num_draft)
+    t0 = time.perf_counter()
+    results = engine.run(requests)
+    return BatchOutput(results, time.perf_counter() - t0, engine.forwards, engine.preemptions, blocks, block_size)
+
+
+def _encode(tok, prompt: str, chat: bool, system: str | None) -> list[int]:
+    """The prompt's token ids (inside the model's chat template with `chat`)."""
+    if chat:
+        return tok.tokenizer.encode(apply_chat_template(tok, prompt, system), add_special_tokens=False).ids
+    return tok.encode(prompt)
 
 
 def check_options(*, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,

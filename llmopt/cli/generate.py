@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -57,16 +58,37 @@ def generate_command(
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Prompt tokens per prefill forward pass.")] = 512,
     compile_step: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step (CUDA graphs on GPU). "
                                                "Compiling takes about a minute; it pays off on GPU, not on CPU.")] = False,
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Many prompts at once: a JSON-lines file, one "
+                                                    "{\"prompt\": ...} a line (plus optional max_tokens, seed, temperature, "
+                                                    "stop, ...), answered with continuous batching.")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="With --prompts: write the answers here "
+                                                   "(JSON lines, in input order) instead of stdout.")] = None,
+    max_batch: Annotated[int, typer.Option("--max-batch", help="With --prompts: most sequences decoded at once.")] = 16,
+    kv_blocks: Annotated[int, typer.Option("--kv-blocks", help="With --prompts: KV-cache blocks in the pool "
+                                           "(0 = enough for --max-batch requests at once).")] = 0,
+    block_size: Annotated[int, typer.Option("--block-size", help="With --prompts: tokens per KV-cache block.")] = 16,
     json_out: JsonOpt = False,
     device: DeviceOpt = None,
     verbose: VerboseOpt = 0,
 ) -> None:
-    """Generate text with the built-in runtime (KV cache; optional speculative decoding)."""
+    """Generate text with the built-in runtime (KV cache; optional speculative decoding; --prompts for a batch)."""
     from llmopt.api.generate import check_options, generate, load  # here, not at the top: `llmopt --help` starts without torch
     from llmopt.runtime.weights import set_threads
 
     opts = settings(ctx, json_out, device, verbose)
     set_threads(threads)
+    if prompts is not None:
+        if prompt is not None or prompt_file is not None:
+            raise OptionError("give <prompts> FILE, or one of <prompt> TEXT and <prompt_file> FILE, not both")
+        if draft or compile_step:
+            raise OptionError("<prompts> runs a batch; <draft> and <compile> run one sequence (use <prompt_lookup>)")
+        return generate_many(model, prompts, output, opts, dict(
+            max_batch=max_batch, kv_blocks=kv_blocks, block_size=block_size, max_tokens=max_tokens,
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+            seed=seed, stop=stop or [], ignore_eos=ignore_eos, chat=chat, system=system, num_draft=num_draft,
+            prompt_lookup=prompt_lookup, prefill_chunk=prefill_chunk, dtype=dtype, packed=packed))
+    if output is not None:
+        raise OptionError("<output> writes the answers of <prompts>; with one prompt the text goes to stdout")
     text = read_prompt(prompt, prompt_file)
     check_options(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                   chat=chat, system=system, draft=draft, num_draft=num_draft, prompt_lookup=prompt_lookup,
@@ -84,3 +106,43 @@ def generate_command(
     else:
         out.print()
         err.print(f"[dim]{result.metrics.line()}[/]")
+
+
+def generate_many(model: str, prompts: Path, output: Path | None, opts, options: dict) -> None:
+    """`--prompts`: every request answered (JSON lines in input order, to `output` written whole, or
+    to stdout), then a summary line on stderr (or a JSON object on stdout with --json and -o)."""
+    from llmopt.api.generate import generate_batch, read_prompts
+    from llmopt.formats.atomic import atomic_output_file
+
+    if options["max_batch"] < 1:  # before reading anything
+        raise OptionError(f"<max_batch> must be at least 1, got {options['max_batch']}")
+    entries, labels = read_prompts(prompts)
+
+    def answers(batch) -> str:
+        lines = []
+        for i, (entry, result) in enumerate(zip(entries, batch.results)):
+            record = {"id": entry["id"]} if "id" in entry else {}
+            record.update(index=i, text=result.text, tokens=result.token_ids, metrics=result.metrics.to_dict())
+            lines.append(json.dumps(record, ensure_ascii=False) + "\n")
+        return "".join(lines)
+
+    if output is not None:
+        with atomic_output_file(output) as tmp:  # the target is checked before any work; written only when complete
+            batch = generate_batch(model, entries, labels=labels, device=opts.device, **options)
+            tmp.write_text(answers(batch), encoding="utf-8")
+    else:
+        batch = generate_batch(model, entries, labels=labels, device=opts.device, **options)
+        sys.stdout.write(answers(batch))
+    prompt_tok = sum(r.metrics.prompt_tokens for r in batch.results)
+    cached = sum(r.metrics.cached_tokens or 0 for r in batch.results)
+    generated = sum(r.metrics.generated_tokens for r in batch.results)
+    summary = {"requests": len(batch.results), "prompt_tokens": prompt_tok, "cached_tokens": cached,
+               "generated_tokens": generated, "seconds": round(batch.seconds, 3),
+               "tokens_per_s": round(generated / max(batch.seconds, 1e-9), 2), "forwards": batch.forwards,
+               "preemptions": batch.preemptions, "kv_blocks": batch.kv_blocks, "block_size": batch.block_size}
+    if opts.json and output is not None:
+        emit_json({**summary, "output": str(output)})
+    else:
+        err.print(f"[dim]{summary['requests']} requests | prompt {prompt_tok} tok ({cached} from the prefix cache) | "
+                  f"generated {generated} tok | {batch.seconds:.1f} s | {summary['tokens_per_s']:.1f} tok/s | "
+                  f"{batch.forwards} forwards | {batch.preemptions} preemptions[/]")

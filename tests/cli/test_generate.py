@@ -88,3 +88,81 @@ def test_prompt_longer_than_the_context(llmopt_here, tiny_models):
 def test_seed_out_of_range(llmopt_here, tiny_models):
     result = llmopt_here("generate", tiny_models("llama"), "-p", "hi", "--seed", str(2**70))
     assert result.returncode == 2 and "`--seed` " not in result.stderr and "--seed 1180591620717411303424" in result.stderr
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return path
+
+
+def test_prompts_file_answers_in_input_order_like_one_at_a_time(llmopt_here, tiny_models, tmp_path):
+    rows = [{"prompt": "The quick brown", "max_tokens": 9, "id": "a"},
+            {"prompt": "Pack my box with five dozen", "max_tokens": 5},
+            {"prompt": "How vexingly", "max_tokens": 12, "temperature": 0.9, "seed": 4, "id": 7},
+            {"prompt": "In the beginning the universe was", "max_tokens": 7}]
+    answers = tmp_path / "answers.jsonl"
+    r = llmopt_here("generate", tiny_models("llama"), "--prompts", write_jsonl(tmp_path / "p.jsonl", rows),
+                    "--max-batch", "3", "--ignore-eos", "--block-size", "4", "--prefill-chunk", "8", "-o", answers)
+    assert r.returncode == 0, r.stderr
+    assert "4 requests" in r.stderr and r.stdout == ""
+    got = [json.loads(line) for line in answers.read_text().splitlines()]
+    assert [g["index"] for g in got] == [0, 1, 2, 3] and got[0]["id"] == "a" and got[2]["id"] == 7 and "id" not in got[1]
+    for row, answer in zip(rows, got):
+        args = ["-p", row["prompt"], "-n", str(row["max_tokens"]), "--ignore-eos", "--json"]
+        if "seed" in row:
+            args += ["--temperature", str(row["temperature"]), "--seed", str(row["seed"])]
+        alone = json.loads(llmopt_here("generate", tiny_models("llama"), *args).stdout)
+        assert answer["tokens"] == alone["tokens"] and answer["text"] == alone["text"]
+        assert answer["metrics"]["generated_tokens"] == row["max_tokens"]
+
+
+def test_prompts_to_stdout_with_a_forced_preemption(llmopt_here, tiny_models, tmp_path):
+    rows = [{"prompt": "Sphinx of black quartz, judge my vow. " * (1 + i % 3), "max_tokens": 10} for i in range(6)]
+    r = llmopt_here("generate", tiny_models("llama"), "--prompts", write_jsonl(tmp_path / "p.jsonl", rows),
+                    "--ignore-eos", "--block-size", "4", "--kv-blocks", "20")
+    assert r.returncode == 0, r.stderr
+    got = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(got) == 6 and all(len(g["tokens"]) == 10 for g in got)
+    assert " 0 preemptions" not in r.stderr
+
+
+@pytest.mark.parametrize("lines, args, expect", [
+    (['{"prompt": "hi"}', '{"prompt": "x"'], [], "p.jsonl:2: not a JSON object"),
+    (['{"prompt": "hi"}', '', '["hi"]'], [], "p.jsonl:3: expected a JSON object"),
+    (['{"text": "hi"}'], [], 'p.jsonl:1: needs "prompt"'),
+    (['{"prompt": "hi", "temp": 1}'], [], "p.jsonl:1: unknown key 'temp'"),
+    (['{"prompt": "hi", "max_tokens": "5"}'], [], "p.jsonl:1: 'max_tokens' must be int"),
+    (['{"prompt": "hi", "temperature": -1}'], [], "p.jsonl:1: `temperature` must be >= 0"),
+    (['{"prompt": "hi"}', json.dumps({"prompt": "quick " * 300})], [], "p.jsonl:2: the prompt has"),
+    (['{"prompt": "hi"}'], ["--max-batch", "0"], "--max-batch must be at least 1"),
+    (['{"prompt": "hi"}'], ["--kv-blocks", "1", "--block-size", "4"], "KV blocks"),
+    (['{"prompt": "hi"}'], ["-p", "hi"], "not both"),
+    (['{"prompt": "hi"}'], ["--draft", "x"], "--prompt-lookup"),
+])
+def test_bad_prompts_file_is_one_line_exit_2_and_no_answers(llmopt_here, tiny_models, tmp_path, lines, args, expect):
+    answers = tmp_path / "answers.jsonl"
+    r = llmopt_here("generate", tiny_models("llama"), "--prompts", write_jsonl(tmp_path / "p.jsonl", lines),
+                    "-o", answers, *args)
+    assert_clean_failure(r, expect)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.jsonl"]  # no answers, no temporary file
+
+
+@pytest.mark.slow
+def test_smollm2_batch_through_the_cli_equals_one_at_a_time(llmopt_here, smollm2_gguf, tmp_path):
+    """SmolLM2 end to end: chat prompts sharing a system prompt, batched with the prefix cache,
+    give each prompt's own greedy answer."""
+    system = "You are a concise assistant. Answer in one short sentence, without lists or preambles."
+    questions = ["What is the capital of France?", "Name a primary color.", "What is 2+2?", "What do bees make?"]
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": q, "max_tokens": 12} for q in questions])
+    answers = tmp_path / "answers.jsonl"
+    r = llmopt_here("generate", smollm2_gguf, "--prompts", prompts, "--chat", "--system", system, "--max-batch", "4",
+                    "--prefill-chunk", "64", "-o", answers, "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["requests"] == 4 and summary["cached_tokens"] > 0  # the system prompt was shared
+    got = [json.loads(line) for line in answers.read_text().splitlines()]
+    for q, answer in zip(questions, got):
+        alone = json.loads(llmopt_here("generate", smollm2_gguf, "--chat", "--system", system, "-p", q, "-n", "12",
+                                       "--json").stdout)
+        assert answer["tokens"] == alone["tokens"] and answer["text"] == alone["text"]
+    assert "Paris" in got[0]["text"]

@@ -13,29 +13,31 @@ from typing import Any
 from llmopt.errors import InputError, OptionError
 from llmopt.eval.gates import NEEDS_REF, Gate, check_gates
 from llmopt.eval.pareto import Point, pareto_front, plot_kld_vs_size
-from llmopt.eval.perplexity import EvalResult, evaluate as score, token_windows
+from llmopt.eval.perplexity import EvalResult, check_batch, evaluate as score, token_windows
 from llmopt.runtime.weights import LoadedModel, load_model
 
 
 def evaluate(model: str | Path, data: str | Path, *, ref: str | Path | LoadedModel | None = None, ctx: int = 512,
              windows: int = 40, max_ppl_increase: float | None = None, min_top1: float | None = None,
              max_kld: float | None = None, dtype: str = "auto",
-             device: str = "auto", packed: bool = False,
+             device: str = "auto", packed: bool = False, batch: int = 1,
              on_window: Callable[[int, int], None] | None = None) -> tuple[EvalResult, list[Gate], dict[str, Any]]:  # fmt: skip
     """Score `model` on the first `windows` windows of `ctx` tokens of the text file `data`.
     `ref` may be a model already loaded (`load`), to score several models against it.
     Returns the result, the gates (perplexity rise in %, top-1 agreement in %, KL in nats) and a
-    JSON summary; the caller decides what a failed gate means (the CLI exits 1)."""
+    JSON summary; the caller decides what a failed gate means (the CLI exits 1). `batch` windows
+    share each forward (the same numbers up to float rounding)."""
+    check_batch(batch)
     gates = _Gates(max_ppl_increase, min_top1, max_kld)
     _check_gates(ref, gates)
     text = _read(data)
     reference = _reference(ref, dtype, device, packed)
-    return _score(load_model(str(model), dtype, device, packed), text, data, reference, ctx, windows, gates, on_window)
+    return _score(load_model(str(model), dtype, device, packed), text, data, reference, ctx, windows, gates, on_window, batch)
 
 
 def evaluate_files(models: Sequence[str | Path], data: str | Path, *, ref: str | Path | None = None, ctx: int = 512,
                    windows: int = 40, max_ppl_increase: float | None = None, min_top1: float | None = None,
-                   max_kld: float | None = None, dtype: str = "auto", device: str = "auto", packed: bool = False, plot: str | Path | None = None,
+                   max_kld: float | None = None, dtype: str = "auto", device: str = "auto", packed: bool = False, plot: str | Path | None = None, batch: int = 1,
                    on_window: Callable[[int, int, int], None] | None = None) -> list[tuple[EvalResult, list[Gate], dict[str, Any]]]:  # fmt: skip
     """`evaluate` for each of `models` against one reference (loaded once; one model in memory
     besides it), each summary with the file's size (`bytes`) and bits per weight. With `plot`, a
@@ -44,6 +46,7 @@ def evaluate_files(models: Sequence[str | Path], data: str | Path, *, ref: str |
         raise OptionError("give at least one model to evaluate")
     if plot is not None and ref is None:
         raise OptionError("<plot> draws KL divergence against a reference: give <ref> MODEL")
+    check_batch(batch)
     gates = _Gates(max_ppl_increase, min_top1, max_kld)
     _check_gates(ref, gates)
     text = _read(data)
@@ -54,7 +57,7 @@ def evaluate_files(models: Sequence[str | Path], data: str | Path, *, ref: str |
         target = load_model(str(model), dtype, device, packed)
         count = params or _parameters(target)
         result, checked, summary = _score(target, text, data, reference, ctx, windows, gates,
-                                          None if on_window is None else lambda d, t, i=i: on_window(i, d, t))  # fmt: skip
+                                          None if on_window is None else lambda d, t, i=i: on_window(i, d, t), batch)  # fmt: skip
         summary["bytes"] = weights_nbytes(Path(target.path))
         summary["bits_per_weight"] = round(8 * summary["bytes"] / count, 3)
         rows.append((result, checked, summary))
@@ -108,7 +111,7 @@ def _read(data: str | Path) -> str:
 
 
 def _score(target: LoadedModel, text: str, data: str | Path, reference: LoadedModel | None, ctx: int, windows: int,
-           gates: _Gates, on_window: Callable[[int, int], None] | None) -> tuple[EvalResult, list[Gate], dict[str, Any]]:  # fmt: skip
+           gates: _Gates, on_window: Callable[[int, int], None] | None, batch: int = 1) -> tuple[EvalResult, list[Gate], dict[str, Any]]:  # fmt: skip
     if target.tokenizer is None:
         raise InputError(f"{target.path}: has no tokenizer, so it cannot read text")
     chunks = token_windows(target.tokenizer.encode(text), ctx, windows)
@@ -120,7 +123,7 @@ def _score(target: LoadedModel, text: str, data: str | Path, reference: LoadedMo
                               f"the same vocabulary")  # fmt: skip
     total = chunks.shape[0]
     result = score(target.model, chunks, reference.model if reference else None,
-                   on_window=None if on_window is None else lambda i: on_window(i + 1, total))  # fmt: skip
+                   on_window=None if on_window is None else lambda i: on_window(i + 1, total), batch=batch)  # fmt: skip
     checked = check_gates(result, gates.max_ppl_increase, gates.min_top1, gates.max_kld)
     summary = {"model": target.path, "ref": reference.path if reference else None, "data": str(data),
                "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmopt.errors import OptionError
+from llmopt.eval.plotting import require_matplotlib
 
 
 @dataclass(frozen=True)
@@ -32,13 +32,7 @@ def pareto_front(points: Sequence[Point]) -> list[int]:
 
 def plot_kld_vs_size(points: Sequence[Point], path: Path, title: str) -> None:
     """Write a PNG of KL divergence (log scale) against file size (MB) to `path`."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise OptionError("<plot> needs matplotlib: pip install 'llmopt[plot]'") from None
+    plt = require_matplotlib()
     from llmopt.formats.atomic import atomic_output_file
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)

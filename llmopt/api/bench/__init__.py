@@ -1,0 +1,254 @@
+"""`bench`: how fast a model runs: TTFT, TPOT, prefill and decode tokens/s, weight bytes read per
+second against the device's bandwidth roofline, peak memory; swept over prompt length and batch
+size (in-process engines) or concurrency (a server).
+
+Engines: llmopt's runtime (`llmopt_engine.py`: B prompts decoded in lockstep over one static KV
+cache), llama.cpp in-process through llama-cpp-python (`llama_cpp_engine.py`), and any
+OpenAI-compatible server (`endpoint.py`). Every engine reads the same synthetic prompts
+(`prompts.py`). This module stays torch-free at import: engines are imported when they run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmopt.api.bench.stats import distribution, int_list
+from llmopt.errors import InputError, OptionError
+
+ENGINES = ("llmopt", "llama.cpp")
+MAX_BATCH = 4096
+MAX_CONCURRENCY = 1024
+MAX_REQUESTS = 100_000
+
+
+@dataclass
+class BenchRow:
+    """One point of the sweep. Latencies in ms as {p50, p90, p99, mean}; rates per second."""
+
+    prompt_len: int
+    gen: int
+    batch: int | None = None  # in-process engines: sequences decoded in lockstep
+    concurrency: int | None = None  # a server: requests in flight
+    requests: int = 0  # sequences (in-process) or requests sent (server)
+    ok: int = 0  # of those, finished with at least one token
+    generated_tokens: int = 0
+    ttft_ms: dict[str, float] | None = None
+    tpot_ms: dict[str, float] | None = None
+    e2e_ms: dict[str, float] | None = None  # a server: each request's end-to-end latency
+    prefill_tok_s: float | None = None
+    decode_tok_s: float | None = None  # all sequences together
+    weight_bytes_per_s: float | None = None  # the weights streamed by the decode steps
+    roofline_fraction: float | None = None  # decode bytes read per second / bandwidth
+    peak_memory_bytes: int | None = None
+    wall_s: float | None = None
+    records: list[dict] | None = None  # a server: one record per request
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class BenchReport:
+    engine: str  # "llmopt", "llama.cpp" or "endpoint"
+    model: str
+    device: str
+    threads: int | None
+    seed: int
+    bandwidth_gbs: float | None
+    bandwidth_source: str | None
+    weight_bytes: int | None
+    rows: list[BenchRow] = field(default_factory=list)
+    endpoint: str | None = None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["rows"] = [r.to_dict() for r in self.rows]
+        return d
+
+
+def bench(model: str | Path | None = None, *, engine: str | None = None, endpoint: str | None = None,
+          served_model: str | None = None, prompt_len: str | Sequence[int] = (128,), gen: int = 128,
+          batch: str | Sequence[int] | None = None, concurrency: str | Sequence[int] | None = None,
+          requests: int = 64, seed: int = 0, dtype: str = "auto", device: str = "auto", threads: int = 0,
+          bandwidth: str | float | None = None, time_limit: float = 600.0, warmup: bool = True,
+          plot: str | Path | None = None, on_row: Callable[[BenchRow], None] | None = None) -> BenchReport:  # fmt: skip
+    """Benchmark `model` with `engine` (llmopt or llama.cpp) over every prompt length x batch size,
+    or the server at `endpoint` over every prompt length x concurrency (`requests` requests each,
+    `model` or `served_model`, when a path, giving the tokenizer). `bandwidth`: GB/s or a catalog
+    GPU name; measured on the device when omitted. With `plot`, a PNG of the sweep."""
+    lengths = int_list(prompt_len, "prompt_len")
+    if not 1 <= gen <= 1 << 20:
+        raise OptionError(f"<gen> {gen}: must be between 1 and {1 << 20}")
+    if seed < 0:
+        raise OptionError(f"<seed> {seed}: must be >= 0")
+    if not time_limit > 0:
+        raise OptionError(f"<time_limit> {time_limit}: must be > 0 seconds")
+    if plot is not None:
+        from llmopt.eval.plotting import require_matplotlib
+
+        require_matplotlib()
+    if endpoint is not None:
+        if engine is not None:
+            raise OptionError("choose one of <engine> and <endpoint>")
+        if batch is not None:
+            raise OptionError("<batch> is for in-process engines; a server's load is <concurrency>")
+        if not 1 <= requests <= MAX_REQUESTS:
+            raise OptionError(f"<requests> {requests}: must be between 1 and {MAX_REQUESTS}")
+        report = _bench_endpoint(endpoint, model, served_model, lengths, gen,
+                                 int_list(concurrency or (1,), "concurrency", high=MAX_CONCURRENCY), requests, seed,
+                                 time_limit, warmup, on_row)  # fmt: skip
+    else:
+        engine = engine or "llmopt"
+        if engine not in ENGINES:
+            raise OptionError(f"<engine> {engine!r}: choose one of {', '.join(ENGINES)} (or give <endpoint> URL)")
+        if concurrency is not None:
+            raise OptionError("<concurrency> is for <endpoint>; in-process engines sweep <batch>")
+        if model is None:
+            raise OptionError("give the MODEL to benchmark (or <endpoint> URL)")
+        batches = int_list(batch or (1,), "batch", high=MAX_BATCH)
+        report = _bench_in_process(str(model), engine, lengths, gen, batches, seed, dtype, device, threads, bandwidth,
+                                   warmup, on_row)  # fmt: skip
+    if plot is not None:
+        from llmopt.api.bench.plot import plot_report
+
+        plot_report(report, Path(plot))
+    return report
+
+
+def _bench_in_process(model: str, engine_name: str, lengths: list[int], gen: int, batches: list[int], seed: int,
+                      dtype: str, device: str, threads: int, bandwidth: str | float | None, warmup: bool,
+                      on_row: Callable[[BenchRow], None] | None) -> BenchReport:  # fmt: skip
+    from llmopt.api.bench.bandwidth import resolve_bandwidth
+    from llmopt.api.bench.prompts import synthetic_prompts
+
+    engine = _make_engine(model, engine_name, dtype, device, threads)
+    longest = max(lengths) + gen
+    if longest > engine.context:
+        raise OptionError(f"<prompt_len> {max(lengths)} + <gen> {gen} = {longest} tokens: more than the model's "
+                          f"context of {engine.context}")  # fmt: skip
+    _check_cache_fits(engine.kv_bytes_per_token * longest * max(batches), engine.device)
+    gbs, source = resolve_bandwidth(bandwidth, engine.device, threads)
+    report = BenchReport(engine.name, model, engine.device, threads or None, seed, gbs, source, engine.weight_bytes)
+    excluded = engine.excluded_ids()
+    for length in lengths:
+        for b in batches:
+            prompts = synthetic_prompts(b, length, engine.vocab_size, seed, excluded)
+            if warmup:  # first calls pay for allocation and kernel selection
+                engine.run([p[:min(length, 16)] for p in prompts], min(gen, 2))
+            row = trace_row(engine, engine.run(prompts, gen), length, gen, gbs)
+            report.rows.append(row)
+            if on_row:
+                on_row(row)
+    return report
+
+
+def trace_row(engine: Any, trace: Any, length: int, gen: int, bandwidth_gbs: float | None) -> BenchRow:
+    """A lockstep run's row: one TTFT for the batch, TPOT over its steps, rates, and the roofline."""
+    from llmopt.plan.roofline import Device, decode_bytes_per_step, decode_tokens_per_s
+
+    b = len(trace.tokens)
+    row = BenchRow(prompt_len=length, gen=gen, batch=b, requests=b, ok=b,
+                   generated_tokens=sum(len(t) for t in trace.tokens), ttft_ms=distribution([1000 * trace.ttft_s]),
+                   tpot_ms=distribution([1000 * s for s in trace.step_s]), prefill_tok_s=b * length / trace.ttft_s,
+                   peak_memory_bytes=trace.peak_memory_bytes, wall_s=trace.ttft_s + sum(trace.step_s))  # fmt: skip
+    if trace.step_s:
+        steps_per_s = len(trace.step_s) / sum(trace.step_s)
+        row.decode_tok_s = b * steps_per_s
+        row.weight_bytes_per_s = engine.weight_bytes * steps_per_s
+        if bandwidth_gbs:  # K/V read at the mean context of the decode steps
+            kv = engine.kv_bytes_per_token * (length + gen // 2)
+            step_bytes = decode_bytes_per_step(engine.arch, engine.weight_bytes, 0, kv, b)
+            row.roofline_fraction = steps_per_s / decode_tokens_per_s(step_bytes, Device(bandwidth_gbs))
+    return row
+
+
+def _make_engine(model: str, name: str, dtype: str, device: str, threads: int) -> Any:
+    if name == "llama.cpp":
+        from llmopt.api.bench.llama_cpp_engine import LlamaCppEngine
+
+        if dtype != "auto" or device not in ("auto", "cpu"):
+            raise OptionError("<engine> llama.cpp runs the GGUF's own types on the CPU: leave <dtype> and <device> unset")
+        return LlamaCppEngine(model, threads)
+    from llmopt.api.bench.llmopt_engine import LlmoptEngine
+    from llmopt.runtime.weights import load_model, set_threads
+
+    set_threads(threads)
+    return LlmoptEngine(load_model(model, dtype, device, packed=True))
+
+
+def _check_cache_fits(nbytes: int, device: str) -> None:
+    """Refuse a sweep whose largest KV cache alone exceeds the memory available now."""
+    import os
+
+    if not device.startswith("cpu"):
+        return
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return
+    if nbytes > available:
+        raise OptionError(f"the largest <batch> x (<prompt_len> + <gen>) needs a {nbytes / 2**30:.1f} GiB KV cache; "
+                          f"{available / 2**30:.1f} GiB of memory is available")  # fmt: skip
+
+
+def _bench_endpoint(url: str, model: str | Path | None, served_model: str | None, lengths: list[int], gen: int,
+                    concurrencies: list[int], requests: int, seed: int, time_limit: float, warmup: bool,
+                    on_row: Callable[[BenchRow], None] | None) -> BenchReport:  # fmt: skip
+    from llmopt.api.bench.endpoint import Endpoint, run_requests, served_models, stream_completion
+    from llmopt.api.bench.prompts import prompt_text, special_token_ids, synthetic_prompts
+
+    ep = Endpoint.parse(url)
+    tokenizer = _endpoint_tokenizer(model, served_model)
+    names = served_models(ep)
+    served = served_model or (names[0] if names else None)
+    if served is None:
+        raise InputError(f"{ep}/models lists no model; give <served_model>")
+    vocab, excluded = tokenizer.vocab_size, special_token_ids(tokenizer)
+    report = BenchReport("endpoint", served, "remote", None, seed, None, None, None, endpoint=str(ep))
+    if warmup:
+        warm = prompt_text(tokenizer, synthetic_prompts(1, min(lengths), vocab, seed + 1, excluded)[0])
+        first = stream_completion(ep, served, warm, 2, timeout=time_limit)
+        if not first.ok:
+            raise InputError(f"{ep}: a completion failed: {first.error}")
+    for length in lengths:
+        prompts = [prompt_text(tokenizer, p) for p in synthetic_prompts(requests, length, vocab, seed, excluded)]
+        for c in concurrencies:
+            records, wall = run_requests(ep, served, prompts, gen, c, time_limit)
+            row = requests_row(records, length, gen, c, wall)
+            if row.ok == 0:
+                raise InputError(f"{ep}: every request failed; the first: {records[0].error if records else 'none sent'}")
+            report.rows.append(row)
+            if on_row:
+                on_row(row)
+    return report
+
+
+def requests_row(records: list, length: int, gen: int, concurrency: int, wall: float) -> BenchRow:
+    """A server's row: percentiles over the requests that finished, throughput over the wall time.
+    (No prefill rate: a request's TTFT there includes its wait in the server's queue.)"""
+    ok = [r for r in records if r.ok]
+    tokens = sum(r.completion_tokens for r in ok)
+    tpot = [1000 * (r.e2e_s - r.ttft_s) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]
+    return BenchRow(prompt_len=length, gen=gen, concurrency=concurrency, requests=len(records), ok=len(ok),
+                    generated_tokens=tokens, ttft_ms=distribution([1000 * r.ttft_s for r in ok]),
+                    tpot_ms=distribution(tpot), e2e_ms=distribution([1000 * r.e2e_s for r in ok]),
+                    decode_tok_s=tokens / wall if wall > 0 else None, wall_s=wall,
+                    records=[r.to_dict() for r in records])  # fmt: skip
+
+
+def _endpoint_tokenizer(model: str | Path | None, served_model: str | None) -> Any:
+    """The tokenizer prompts are drawn from: MODEL, else <served_model> when it names a local file or folder."""
+    from llmopt.model import open_model
+
+    spec = model if model is not None else served_model
+    if spec is None or not Path(spec).expanduser().exists():
+        raise OptionError("<endpoint> needs the model's tokenizer for exact prompt lengths: give MODEL (the GGUF "
+                          "file or HF folder the server runs)")  # fmt: skip
+    with open_model(spec) as source:
+        tokenizer = source.tokenizer()
+    if tokenizer is None:
+        raise InputError(f"{spec}: has no tokenizer to draw prompts from")
+    return tokenizer

@@ -19,6 +19,7 @@ import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from llmopt.api.bench import bench
     from llmopt.api.convert import convert_to_gguf, convert_to_hf, plan_gguf_file
     from llmopt.api.evaluate import evaluate, evaluate_files
     from llmopt.api.generate import generate, load
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 # without torch, which the other commands' modules need. A command's function has its module's name
 # (`quantize` in llmopt/api/quantize.py), and importing a submodule sets the package's attribute to
 # the module, so the package's attribute lookup itself answers these names with the function.
-_WHERE = {"QuantizeResult": "quantize", "convert_to_gguf": "convert", "convert_to_hf": "convert", "evaluate": "evaluate",
+_WHERE = {"QuantizeResult": "quantize", "bench": "bench", "convert_to_gguf": "convert", "convert_to_hf": "convert", "evaluate": "evaluate",
           "evaluate_files": "evaluate", "generate": "generate", "load": "generate", "imatrix": "imatrix",
           "inspect": "inspect", "plan_gguf_file": "convert", "quantize": "quantize", "recommend": "recommend",
           "merge_manifests": "run", "plan_recipe": "run", "run_recipe": "run"}  # fmt: skip

@@ -14,6 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 import llmopt
+from llmopt.cli import bench as bench_cmd
 from llmopt.cli import convert, inspect
 from llmopt.cli import imatrix as imatrix_cmd
 from llmopt.cli import eval as eval_cmd, generate
@@ -41,6 +42,7 @@ app.command("generate")(generate.generate_command)
 app.command("eval")(eval_cmd.eval_command)
 app.command("quantize")(quantize.quantize_command)
 app.command("recommend")(recommend.recommend_command)
+app.command("bench")(bench_cmd.bench_command)
 app.command("run")(run_cmd.run_command)
 app.add_typer(run_cmd.manifest_app, name="manifest")
 

@@ -14,6 +14,7 @@ FLAGS = {
     "output": "-o/--output",
     "max_tokens": "--max-tokens",
     "clip": "--no-clip",  # the only flag that changes it
+    "served_model": "--model",  # bench --endpoint: the name the server knows the model by
 }
 
 

@@ -6,7 +6,7 @@ between the two files, per GGML type. Each job runs in its own process so peak R
 Optional: perplexity on wikitext-2 test computed by llama.cpp on both files, and a Llama-2-7B-shaped
 random fp16 model (about 13.5 GB on disk) to check that peak memory follows the largest tensor.
 
-    python benchmarks/gguf_quantize.py                      # Q8_0, Q6_K, Q4_K_M
+    python benchmarks/gguf_quantize.py                      # Q8_0, Q6_K, Q4_K_M, IQ4_XS
     python benchmarks/gguf_quantize.py --types all --perplexity 40 --imatrix-chunks 40
     python benchmarks/gguf_quantize.py --llama7b /big/disk  # needs ~30 GB free
 Prints a table, then JSON.
@@ -153,7 +153,7 @@ def main() -> None:
         return
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--types", default="Q8_0,Q6_K,Q4_K_M", help="comma list, or 'all'")
+    p.add_argument("--types", default="Q8_0,Q6_K,Q4_K_M,IQ4_XS", help="comma list, or 'all'")
     p.add_argument("--threads", type=int, default=0, help="threads for both (0 = torch's default)")
     p.add_argument("--perplexity", type=int, default=0, help="wikitext-2 test chunks of 512 (0 = skip)")
     p.add_argument("--imatrix-chunks", type=int, default=0, help="also compare imatrix-weighted files")

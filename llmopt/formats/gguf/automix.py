@@ -22,7 +22,7 @@ import torch
 
 from llmopt.calibration.samples import CalibConfig, load_calibration
 from llmopt.errors import OptionError
-from llmopt.formats.gguf.mixes import DEFAULT_TYPE, MIXES, allows_quantization, category, gguf_shapes, plan_shapes
+from llmopt.formats.gguf.mixes import CLASSIC_MIXES, DEFAULT_TYPE, allows_quantization, category, gguf_shapes, plan_shapes
 from llmopt.formats.gguf.types import CANDIDATES, aligned, candidate_types, is_quantized, tensor_nbytes
 from llmopt.formats.gguf.writer import GgufPlan, Provenance, plan_gguf
 from llmopt.formats.sensitivity import Sensitivities, cache_key, load, measure, save
@@ -149,6 +149,6 @@ def _nearest_preset(source: ModelSource, data_nbytes: int) -> str:
     def size(mix: str) -> int:
         return sum(tensor_nbytes(t, shapes[n]) for n, t in plan_shapes(shapes, mix, source.arch, has_imatrix=True).items())
 
-    presets = [m for m in MIXES if is_quantized(DEFAULT_TYPE[m])]
+    presets = [m for m in CLASSIC_MIXES if is_quantized(DEFAULT_TYPE[m])]
     return min(presets, key=lambda m: (abs(size(m) - data_nbytes), m))
 

@@ -12,6 +12,9 @@ import numpy as np
 import torch
 
 from llmopt.errors import InputError
+from llmopt.quant.grids.fp4 import INDEX_OF_CODE as FP4_INDEX_OF_CODE
+from llmopt.quant.grids.iq4 import IQ4_LEVELS
+from llmopt.quant.grids.ternary import ZERO_CODE
 from llmopt.quantized_tensor import QuantizedTensor
 
 
@@ -133,9 +136,59 @@ def pack_q6_k(qt: QuantizedTensor) -> torch.Tensor:
     return torch.cat([ql, qh.to(torch.uint8), scales, _half_bytes(qt.aux["d"].reshape(-1))], dim=1)
 
 
+def _iq4_indices(qt: QuantizedTensor, n: int) -> torch.Tensor:
+    """IQ4 codes (level + 128) -> the 4-bit indices into the level table, [blocks, n]."""
+    return IQ4_LEVELS.index_of_code[qt.codes.to(torch.int64)].reshape(-1, n)
+
+
+def pack_iq4_nl(qt: QuantizedTensor) -> torch.Tensor:
+    q = _iq4_indices(qt, 32)
+    return torch.cat([_half_bytes(qt.aux["d"].reshape(-1)), _nibbles(q[:, :16], q[:, 16:])], dim=1)
+
+
+def pack_iq4_xs(qt: QuantizedTensor) -> torch.Tensor:
+    q = _iq4_indices(qt, 256).reshape(-1, 8, 32)
+    qs = _nibbles(q[:, :, :16], q[:, :, 16:]).reshape(-1, 128)
+    sc = _u8(qt.aux["sc"]).reshape(-1, 8)  # 6-bit ls per sub-block: low nibbles paired, high 2 bits in a uint16
+    scales_l = (sc[:, 0::2] & 0xF) | ((sc[:, 1::2] & 0xF) << 4)
+    hi = sc >> 4
+    scales_h = [hi[:, 4 * b] | (hi[:, 4 * b + 1] << 2) | (hi[:, 4 * b + 2] << 4) | (hi[:, 4 * b + 3] << 6) for b in (0, 1)]
+    head = [_half_bytes(qt.aux["d"].reshape(-1)), torch.stack(scales_h, dim=1)]
+    return torch.cat([*head, scales_l, qs], dim=1)
+
+
+def pack_tq2_0(qt: QuantizedTensor) -> torch.Tensor:
+    t = (_u8(qt.codes) - (ZERO_CODE - 1)).reshape(-1, 2, 4, 32)  # t + 1 in 0..2; [n, half, shift, 32]
+    qs = (t[:, :, 0] | (t[:, :, 1] << 2) | (t[:, :, 2] << 4) | (t[:, :, 3] << 6)).reshape(-1, 64)
+    return torch.cat([qs, _half_bytes(qt.aux["d"].reshape(-1))], dim=1)
+
+
+def _base3(t: torch.Tensor) -> torch.Tensor:
+    """Digits t [n, k, m] (k most significant first, up to 5) -> one byte per m, the number in base 3
+    scaled to 0..255 by ceil(q·256/243) (as ggml packs TQ1_0)."""
+    q = torch.zeros(t.shape[0], t.shape[2], dtype=torch.int32)
+    for k in range(t.shape[1]):
+        q = q * 3 + t[:, k]
+    q = q * 3 ** (5 - t.shape[1])
+    return ((q * 256 + 242) // 243).to(torch.uint8)
+
+
+def pack_tq1_0(qt: QuantizedTensor) -> torch.Tensor:
+    t = (qt.codes.to(torch.int32) - (ZERO_CODE - 1)).reshape(-1, 256)  # t + 1 in 0..2
+    qs = [_base3(t[:, :160].reshape(-1, 5, 32)), _base3(t[:, 160:240].reshape(-1, 5, 16))]
+    qh = _base3(t[:, 240:].reshape(-1, 4, 4))
+    return torch.cat([*qs, qh, _half_bytes(qt.aux["d"].reshape(-1))], dim=1)
+
+
+def pack_mxfp4(qt: QuantizedTensor) -> torch.Tensor:
+    q = FP4_INDEX_OF_CODE[qt.codes.to(torch.int64)].reshape(-1, 32)
+    return torch.cat([_u8(qt.aux["e"]).reshape(-1, 1), _nibbles(q[:, :16], q[:, 16:])], dim=1)
+
+
 PACKERS = {
     "Q8_0": pack_q8_0, "Q4_0": pack_q4_0, "Q4_1": pack_q4_1, "Q5_0": pack_q5_0, "Q5_1": pack_q5_1,
     "Q2_K": pack_q2_k, "Q3_K": pack_q3_k, "Q4_K": pack_q4_k, "Q5_K": pack_q5_k, "Q6_K": pack_q6_k,
+    "IQ4_NL": pack_iq4_nl, "IQ4_XS": pack_iq4_xs, "TQ1_0": pack_tq1_0, "TQ2_0": pack_tq2_0, "MXFP4": pack_mxfp4,
 }  # fmt: skip
 
 

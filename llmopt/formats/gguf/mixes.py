@@ -25,17 +25,26 @@ from llmopt.model.arch import ArchSpec
 MIXES: tuple[str, ...] = (
     "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
     "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K",
+    "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4_MOE",
 )  # fmt: skip
+
+# The mixes of the legacy and K types: `automix` labels its files with the nearest of these.
+CLASSIC_MIXES: tuple[str, ...] = MIXES[: MIXES.index("Q6_K") + 1]
 
 # llama_ftype_get_default_type: the type every quantizable tensor starts from.
 DEFAULT_TYPE: dict[str, str] = {
     "F16": "F16", "BF16": "BF16", "Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
     "Q5_1": "Q5_1", "Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K",
     "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K",
+    "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS", "TQ1_0": "TQ1_0", "TQ2_0": "TQ2_0", "MXFP4_MOE": "MXFP4",
 }  # fmt: skip
 
 # tensor_type_fallback: what a type becomes when the row length does not divide into its block.
-FALLBACK: dict[str, str] = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+# (A 32-element block type has none: it becomes F16.)
+FALLBACK: dict[str, str] = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0",
+                            "IQ4_XS": "IQ4_NL", "TQ1_0": "Q4_0", "TQ2_0": "Q4_0"}  # fmt: skip
+IQ4_MIXES = ("IQ4_NL", "IQ4_XS")
+TERNARY_MIXES = ("TQ1_0", "TQ2_0")
 
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
@@ -99,11 +108,13 @@ def _mix_rules(cat: str, new_type: str, mix: str, arch: ArchSpec, row_length: in
     if cat == "output" or (tied and cat == "token_embd"):
         if output_tensor_type is not None:
             return output_tensor_type
-        if arch.family.gguf_arch == "falcon" or row_length % block_geometry(new_type)[0] != 0:
+        if mix == "MXFP4_MOE" or arch.family.gguf_arch == "falcon" or row_length % block_geometry(new_type)[0] != 0:
             return "Q8_0"
         return new_type if new_type == "Q8_0" else "Q6_K"
+    if mix == "MXFP4_MOE":  # MXFP4 is for 3-D expert tensors, which dense models do not have
+        return "Q8_0"
     if cat == "token_embd":
-        return new_type
+        return "Q4_K" if mix in TERNARY_MIXES else new_type
     n_gqa = arch.num_heads // max(1, arch.num_kv_heads)
     if cat in ("attn_v", "attn_qkv", "attn_kv_b"):
         if mix == "Q2_K":
@@ -111,6 +122,8 @@ def _mix_rules(cat: str, new_type: str, mix: str, arch: ArchSpec, row_length: in
         elif mix == "Q3_K_M":
             new_type = "Q5_K" if i_layer < 2 else "Q4_K"
         elif mix == "Q3_K_L":
+            new_type = "Q5_K"
+        elif mix in IQ4_MIXES and n_gqa >= 4:
             new_type = "Q5_K"
         elif mix in ("Q4_K_M", "Q5_K_M") and use_more_bits(i_layer, n_layer):
             new_type = "Q6_K"
@@ -128,6 +141,8 @@ def _mix_rules(cat: str, new_type: str, mix: str, arch: ArchSpec, row_length: in
             return "Q5_K"
         if mix == "Q4_K_M":
             return "Q6_K" if use_more_bits(i_layer, n_layer) else new_type
+        if mix in IQ4_MIXES and i_layer < n_layer // 8 and not has_imatrix:
+            return "Q5_K"
         if mix == "Q5_K_M" and use_more_bits(i_layer, n_layer):
             return "Q6_K"
         if mix == "Q4_K_S" and i_layer < n_layer // 8:
@@ -147,6 +162,8 @@ def _fallback(type_name: str, row_length: int) -> str:
     if row_length % block_geometry(type_name)[0] == 0:
         return type_name
     if type_name not in FALLBACK:
+        if block_geometry(type_name)[0] <= 32:
+            return "F16"
         raise InputError(f"no fallback type for {type_name} with rows of {row_length}")
     fallback = FALLBACK[type_name]
     return fallback if row_length % block_geometry(fallback)[0] == 0 else "F16"
@@ -275,11 +292,12 @@ def gguf_shapes(source) -> dict[str, tuple[int, ...]]:  # noqa: ANN001 - ModelSo
     """GGUF name -> HF-orientation shape for every tensor a GGUF written from `source` holds."""
     family = source.arch.family
     shapes: dict[str, tuple[int, ...]] = {}
-    for hf_name, info in source.tensors.items():
+    for hf_name, parts in family.stored_names(source.tensors).items():  # a fused linear: its parts' rows stacked
         gguf_name = family.hf_to_gguf_name(hf_name)
         if gguf_name is None:
             continue
         if gguf_name == "output.weight" and source.arch.tie_word_embeddings:
             continue
-        shapes[gguf_name] = tuple(info.shape)
+        shape = tuple(source.tensors[parts[0]].shape)
+        shapes[gguf_name] = (sum(source.tensors[p].shape[0] for p in parts), *shape[1:])
     return shapes

@@ -59,13 +59,16 @@ def test_mix_matches_llama_cpp(sparse_models, key: str, mix: str) -> None:
     assert ours == theirs
 
 
-@pytest.mark.parametrize("mix", ["Q4_0", "Q5_0", "Q4_K_M", "Q2_K"])
+@pytest.mark.parametrize("mix", ["Q4_0", "Q5_0", "Q4_K_M", "Q2_K", "IQ4_XS", "IQ4_NL"])
 def test_mix_with_imatrix_matches_llama_cpp(sparse_models, mix: str) -> None:
     arch, shapes, path = sparse_models["llama-256"]
     ours = plan_shapes(shapes, mix, arch, has_imatrix=True)
     assert ours == expected_from_llama(llama_dry_run_types(path, mix, imatrix={}), shapes)
     if mix == "Q4_0":  # the imatrix rule: first eighth of ffn_down gets Q4_1
         assert ours["blk.0.ffn_down.weight"] == "Q4_1" and ours["blk.2.ffn_down.weight"] == "Q4_0"
+    if mix == "IQ4_XS":  # the rule without one: first eighth of ffn_down gets Q5_K
+        assert ours["blk.0.ffn_down.weight"] == "IQ4_XS"
+        assert plan_shapes(shapes, mix, arch)["blk.0.ffn_down.weight"] == "Q5_K"
 
 
 @pytest.mark.parametrize(

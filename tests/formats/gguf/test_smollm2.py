@@ -43,7 +43,7 @@ def answer(path: Path) -> str:
 
 
 @pytest.mark.parametrize("mix", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_S", "Q3_K_M",
-                                 "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K"])
+                                 "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS"])
 def test_llama_cpp_loads_and_generates(smol, tmp_path: Path, mix: str) -> None:
     """Every type and mix, written from the fp16 HF dir, loads in llama.cpp and answers as the file
     llama-quantize makes of that type from the same F16 does, on this machine's kernels (another
@@ -54,7 +54,7 @@ def test_llama_cpp_loads_and_generates(smol, tmp_path: Path, mix: str) -> None:
     assert ours == theirs
 
 
-@pytest.mark.parametrize("mix", ["Q4_K_M", "Q2_K", "Q8_0"])
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q2_K", "Q8_0", "IQ4_XS", "TQ1_0", "TQ2_0"])
 def test_same_bytes_as_llama_quantize_from_our_f16(smol, tmp_path: Path, mix: str) -> None:
     theirs = llama_quantize(smol("F16"), tmp_path / f"{mix}.gguf", mix, nthread=2)
     assert_same_as_llama_cpp(smol(mix), theirs)

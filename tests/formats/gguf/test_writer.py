@@ -70,7 +70,7 @@ def test_every_mix_is_byte_identical_to_llama_quantize(wide, tmp_path: Path, fam
     assert_same_as_llama_cpp(ours, theirs)
 
 
-@pytest.mark.parametrize("mix", ["Q4_0", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_M", "Q6_K"])
+@pytest.mark.parametrize("mix", ["Q4_0", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_M", "Q6_K", "IQ4_NL", "IQ4_XS", "TQ1_0"])
 def test_imatrix_weighted_mixes_are_byte_identical(wide, tmp_path: Path, mix: str) -> None:
     hf, f16 = wide("llama")
     names = [n for n in gguf_types(f16) if n.startswith("blk.") and n.endswith(".weight") and "norm" not in n]
@@ -115,6 +115,16 @@ def test_tensor_type_overrides_and_output_type_match_llama_cpp(wide, tmp_path: P
     overrides = [(r"blk\.[01]\.ffn_down", "Q8_0"), ("attn_q", "Q3_K")]
     ours = write(hf, tmp_path / "ours.gguf", "Q4_K_M", overrides=overrides, output_tensor_type="Q5_K")
     theirs = llama_quantize(f16, tmp_path / "theirs.gguf", "Q4_K_M", overrides=overrides, output_tensor_type="Q5_K")
+    assert_same_as_llama_cpp(ours, theirs)
+
+
+def test_mxfp4_tensors_by_override_match_llama_cpp(wide, tmp_path: Path) -> None:
+    """MXFP4 goes on chosen tensors (under MXFP4_MOE a dense model is all Q8_0), with and without an imatrix."""
+    hf, f16 = wide("llama")
+    overrides = [("ffn_", "MXFP4"), ("attn_[qk]", "TQ2_0"), ("attn_v", "IQ4_XS")]
+    ours = write(hf, tmp_path / "ours.gguf", "MXFP4_MOE", overrides=overrides)
+    theirs = llama_quantize(f16, tmp_path / "theirs.gguf", "MXFP4_MOE", overrides=overrides)
+    assert "MXFP4" in set(gguf_types(ours).values())
     assert_same_as_llama_cpp(ours, theirs)
 
 

@@ -12,7 +12,11 @@ from llmopt.formats.gguf.blocks import pack
 from llmopt.quant.grids import GRIDS, quantize
 from tests.quant.grids.ggml_reference import ggml_quantize
 
-TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+NEW_TYPES = ["IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4"]  # also checked on float32 denormals (`edge_weights`)
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", *NEW_TYPES]
+# relative RMS error of the grids whose codes are not plain b-bit integers (the others: by bits); ternary
+# with d = max|x| rounds most Gaussian weights to 0
+MAX_ERROR = {"IQ4_NL": 0.1, "IQ4_XS": 0.1, "TQ1_0": 0.85, "TQ2_0": 0.85, "MXFP4": 0.13}
 LEGACY = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 
 
@@ -34,6 +38,18 @@ def weights(rows: int = 48, cols: int = 512, seed: int = 0) -> torch.Tensor:
     return w.half().float()
 
 
+def edge_weights(rows: int = 24, cols: int = 512) -> torch.Tensor:
+    """`weights` plus float32 denormals and tiny values (below and above ggml's 1e-15 all-zero threshold)."""
+    g = torch.Generator().manual_seed(7)
+    w = weights(rows, cols, seed=5)
+    w[11] = torch.randn(cols, generator=g) * 1e-40  # every value denormal
+    w[12, ::3] = torch.randn(w[12, ::3].shape, generator=g) * 1e-39  # denormals among normal values
+    w[13] = torch.randn(cols, generator=g) * 1e-16  # all below the threshold
+    w[14] = torch.randn(cols, generator=g) * 1e-12  # tiny but quantized
+    w[15, :256] = 1e-38  # constant, just above the smallest normal
+    return w
+
+
 def importance(kind: str, cols: int = 512) -> torch.Tensor | None:
     if kind == "none":
         return None
@@ -43,15 +59,24 @@ def importance(kind: str, cols: int = 512) -> torch.Tensor | None:
     return torch.rand(cols, generator=g) ** 4 * 10  # a few channels dominate, as in real imatrices
 
 
-@pytest.mark.parametrize("imatrix", ["none", "random", "zeros"])
-@pytest.mark.parametrize("type_name", TYPES)
-def test_bytes_match_llama_cpp(type_name: str, imatrix: str) -> None:
-    w, imp = weights(), importance(imatrix)
+def assert_same_bytes_as_llama_cpp(type_name: str, w: torch.Tensor, imp: torch.Tensor | None) -> None:
     ref = ggml_quantize(type_name, w.numpy(), None if imp is None else imp.numpy())
     ours = pack(quantize(type_name, w, imp))
     assert ours.shape == ref.shape
     differing = np.flatnonzero((ours != ref).any(axis=1))
     assert differing.size == 0, f"rows {differing.tolist()} differ from llama.cpp"
+
+
+@pytest.mark.parametrize("imatrix", ["none", "random", "zeros"])
+@pytest.mark.parametrize("type_name", TYPES)
+def test_bytes_match_llama_cpp(type_name: str, imatrix: str) -> None:
+    assert_same_bytes_as_llama_cpp(type_name, weights(), importance(imatrix))
+
+
+@pytest.mark.parametrize("imatrix", ["none", "random", "zeros"])
+@pytest.mark.parametrize("type_name", NEW_TYPES)
+def test_edge_values_match_llama_cpp(type_name: str, imatrix: str) -> None:
+    assert_same_bytes_as_llama_cpp(type_name, edge_weights(), importance(imatrix))
 
 
 @pytest.mark.parametrize("type_name", LEGACY)
@@ -78,7 +103,7 @@ def test_quantized_tensor_contract(type_name: str) -> None:
     assert int(qt.codes.max()) < 2**qt.bits
     assert qt.scales.shape[1] * qt.group_size == w.shape[1]
     err = (qt.dequantize() - w)[11:].pow(2).mean().sqrt() / w[11:].pow(2).mean().sqrt()
-    assert err < {2: 0.45, 3: 0.25, 4: 0.12, 5: 0.06, 6: 0.03, 8: 0.01}[qt.bits]
+    assert err < MAX_ERROR.get(type_name, {2: 0.45, 3: 0.25, 4: 0.12, 5: 0.06, 6: 0.03, 8: 0.01}[qt.bits])
 
 
 def test_rejects_rows_that_do_not_fill_blocks() -> None:

@@ -1,0 +1,186 @@
+"""IQ4_NL and IQ4_XS: 4-bit indices into a fixed, non-uniform table of 16 int8 levels.
+
+    IQ4_NL: blocks of 32,        w = d·v[i]            (fp16 d per block: 18 bytes / 32, 4.5 bpw)
+    IQ4_XS: super-blocks of 256, w = d·(ls - 32)·v[i]  (fp16 d per super-block, 6-bit ls per 32:
+                                                        136 bytes / 256, 4.25 bpw)
+
+with v = `codebooks.IQ4_VALUES`. llama.cpp's quantizer (quantize_row_iq4_nl_impl in ggml-quants.c,
+used with and without an importance matrix) chooses every 32-sub-block's scale by weighted least
+squares over 16 trial inverse scales (127/max, then (t - 127)/max for t = -7..7), each value going to
+its nearest level; weights are x², or imatrix·sqrt(σ² + x²) with σ² = 2·Σx²/n over the (super-)block.
+IQ4_XS then rounds the sub-scales to 6 bits against the largest one, and both recompute the indices
+against the final float scale (not its fp16 rounding), as here.
+
+Codes in the QuantizedTensor are the levels themselves plus 128 (`bits` 8, symmetric), so
+(code - 128)·scale is exactly llama.cpp's dequantization d·v[i] (IQ4_XS: scale = d·(ls - 32)) and
+every reader of QuantizedTensor works unchanged; the packer maps levels back to 4-bit indices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llmopt.quant.grids.codebooks import IQ4_VALUES
+from llmopt.quant.grids.layout import QK_K, BlockGrid, BlockParams, importance_major, per_block, superblock_sum_x2, to_rows
+from llmopt.quant.grids.legacy import _inverse  # C's `d ? 1/d : 0`
+from llmopt.quant.grids.numerics import GROUP_MAX_EPS, blocks_major, c_sqrt, first_absmax, nearest_int, rdiv, safe_div, seq_sum
+from llmopt.quantized_tensor import QuantizedTensor
+
+SUB = 32  # elements per scale
+NTRY = 7  # trials t = -NTRY..NTRY around the plain inverse scale, as llama.cpp's quantize_iq4_nl/xs
+CODE_OFFSET = 128  # codes are level + 128
+SLICE_ELEMENTS = 1 << 18  # the trials of this many (element, trial) pairs are measured at once
+
+
+def best_index(values: np.ndarray, a: np.float32) -> int:
+    """llama.cpp's `best_index_int8` for one value: the nearest level, the upper one on ties, with
+    the differences taken in float32."""
+    if a <= values[0]:
+        return 0
+    if a >= values[-1]:
+        return len(values) - 1
+    hi = int(np.searchsorted(values, a, side="right"))
+    return hi - 1 if a - values[hi - 1] < values[hi] - a else hi
+
+
+class Levels:
+    """A sorted table of integer levels and llama.cpp's rounding onto it, as one table lookup.
+
+    For integer levels the rounding changes only at half-integers (every float32 a with
+    a - v[k] < v[k+1] - a lies below the midpoint, which rounds up), so the level of a is that of
+    its half-integer cell floor(2a); the table is built from `best_index` at both ends of every cell
+    and refuses a table for which that does not hold."""
+
+    def __init__(self, values: tuple[int, ...]) -> None:
+        vals = np.asarray(values, dtype=np.float32)
+        self.values = torch.from_numpy(vals)
+        self.lowest = int(2 * vals[0]) - 2  # the first cell: every a below it rounds to v[0] too
+        cells = np.arange(self.lowest, int(2 * vals[-1]) + 2)
+        starts = (cells / 2).astype(np.float32)
+        ends = np.nextafter(((cells + 1) / 2).astype(np.float32), np.float32(-np.inf))
+        index = [best_index(vals, a) for a in starts]
+        if index != [best_index(vals, a) for a in ends]:
+            raise AssertionError("level table whose rounding changes inside a half-integer cell")
+        self.cell_value = vals[index]
+        self.codes = self.values.to(torch.int32) + CODE_OFFSET  # the QuantizedTensor code of each index
+        index_of_code = torch.zeros(256, dtype=torch.uint8)
+        index_of_code[self.codes.long()] = torch.arange(len(values), dtype=torch.uint8)
+        self.index_of_code = index_of_code
+
+    def nearest_values(self, a: np.ndarray) -> np.ndarray:
+        """The level nearest to each float32 `a` (overwrites `a`)."""
+        cell = np.floor(np.multiply(a, 2, out=a), out=a)
+        np.clip(cell, self.lowest, self.lowest + len(self.cell_value) - 1, out=cell)
+        cell -= self.lowest
+        return self.cell_value.take(cell.astype(np.intp))
+
+    def nearest_code(self, a: torch.Tensor) -> torch.Tensor:
+        """The QuantizedTensor code (level + 128) of the level nearest to each `a`."""
+        values = self.nearest_values(a.detach().to(torch.float32).numpy().copy())
+        return torch.from_numpy(values).add_(CODE_OFFSET)
+
+
+IQ4_LEVELS = Levels(IQ4_VALUES)
+
+
+def sub_block_scales(x: torch.Tensor, weights: torch.Tensor, levels: Levels = IQ4_LEVELS, ntry: int = NTRY) -> torch.Tensor:
+    """The least-squares scale of every sub-block of x [n, B] (element-major), chosen as llama.cpp does:
+    the plain inverse scale -v[0]/max, then (t + v[0])/max for t = -ntry..ntry, a trial winning when
+    its Σwqx² / Σwq² beats the best so far. The trials do not depend on each other, so their sums are
+    measured as one batch [n, trials, blocks] (on slices of blocks); only the choice is sequential."""
+    n, blocks = x.shape
+    v0 = float(levels.values[0])
+    mx = first_absmax(x)
+    zero = x.abs().amax(dim=0) < GROUP_MAX_EPS
+    mx_safe = torch.where(zero, torch.ones_like(mx), mx)
+    d0 = torch.neg(mx_safe).div_(torch.full_like(mx_safe, v0))  # C: -max/values[0]
+    iscales = torch.stack([rdiv(1.0, d0)] + [rdiv(float(t) + v0, mx_safe) for t in range(-ntry, ntry + 1)])
+    trials = iscales.shape[0]
+    xs, ws, ids = x.numpy(), weights.numpy(), iscales.numpy()
+    sums = np.empty((2, trials, blocks), dtype=np.float32)  # Σ w·q·x and Σ w·q·q per trial and block
+    step = max(1, SLICE_ELEMENTS // (trials * n))
+    for s in range(0, blocks, step):
+        sl = slice(s, s + step)
+        q = levels.nearest_values(np.multiply(xs[:, None, sl], ids[None, :, sl]))  # [n, T, b]
+        wq = np.multiply(ws[:, None, sl], q)
+        sums[0, :, sl] = _seq_sum(np.multiply(wq, xs[:, None, sl]))
+        sums[1, :, sl] = _seq_sum(np.multiply(wq, q, out=wq))
+    sums = torch.from_numpy(sums)
+    sums.add_(0.0)  # C's accumulators start at +0: an all -0 sum is +0
+    sumqx, sumq2 = sums[0], sums[1]
+    valid = sumq2 > 0
+    ds = safe_div(sumqx, sumq2)
+    d = torch.where(valid[0], ds[0], torch.zeros_like(mx))
+    best = d * sumqx[0]
+    for t in range(1, trials):
+        better = valid[t] & (sumqx[t] * sumqx[t] > best * sumq2[t])
+        d = torch.where(better, ds[t], d)
+        best = torch.where(better, d * sumqx[t], best)
+    return torch.where(zero, torch.zeros_like(d), d)
+
+
+def _seq_sum(p: np.ndarray) -> np.ndarray:
+    """Sum over axis 0 in index order with a float32 accumulator, as C's loop (cf. numerics.seq_sum)."""
+    acc = p[0].copy()
+    for row in p[1:]:
+        acc += row
+    return acc
+
+
+@dataclass(frozen=True)
+class IQ4Grid(BlockGrid):
+    """IQ4_NL (`block` 32: one fp16 scale per block) or IQ4_XS (`block` 256: fp16 d and 6-bit sub-scales)."""
+
+    name: str
+    block: int
+    bits: int = 8  # codes are levels + 128 (see the module docstring); 4 bits an index in the file
+    levels: Levels = IQ4_LEVELS
+
+    def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        rows = w.shape[0]
+        x = blocks_major(w, SUB)  # [32, sub-blocks]
+        if importance is None:
+            weights = x * x
+        else:
+            n_sub = self.block // SUB
+            sum_x2 = seq_sum(x * x) if n_sub == 1 else superblock_sum_x2(w)
+            sigma2 = per_block(sum_x2 * (2.0 / self.block), n_sub)
+            weights = importance_major(importance, rows, SUB) * c_sqrt(sigma2 + x * x)
+        scales = sub_block_scales(x, weights, self.levels)
+        if self.block == SUB:
+            codes = self.levels.nearest_code(x * _inverse(scales))
+            return {"codes": to_rows(codes, rows).to(torch.uint8), "d": scales.to(torch.float16).reshape(rows, -1)}
+        n_sub = self.block // SUB
+        max_scale = first_absmax(scales.reshape(-1, n_sub).t())
+        d = torch.neg(max_scale).div_(32.0)  # an all-zero super-block stores d = -0
+        ls = nearest_int(per_block(_inverse(d), n_sub) * scales).clamp_(-32, 31)
+        codes = self.levels.nearest_code(x * _inverse(per_block(d, n_sub) * ls))
+        return {
+            "codes": to_rows(codes, rows).to(torch.uint8),
+            "d": d.to(torch.float16).reshape(rows, -1),
+            "sc": (ls + 32).to(torch.uint8).reshape(rows, -1),
+        }
+
+    def assemble(self, out: dict[str, torch.Tensor]) -> QuantizedTensor:
+        d = out["d"].to(torch.float32)
+        if "sc" in out:
+            scales = d.repeat_interleave(self.block // SUB, dim=1) * (out["sc"].to(torch.float32) - 32)
+        else:
+            scales = d
+        aux = {k: v for k, v in out.items() if k != "codes"}
+        return QuantizedTensor(codes=out["codes"], scales=scales, bits=8, group_size=SUB, grid=self.name, aux=aux)
+
+    # error feedback: columns go to the nearest table level with the block's scales fixed
+    def round(self, x: torch.Tensor, p: BlockParams, j: int) -> torch.Tensor:
+        a = p.scale[:, j // p.sub]
+        return self.levels.nearest_code(x * _inverse(a))
+
+    def value(self, q: torch.Tensor, p: BlockParams, j: int) -> torch.Tensor:
+        return p.scale[:, j // p.sub] * (q - CODE_OFFSET)
+
+
+IQ4_NL = IQ4Grid("IQ4_NL", block=SUB)
+IQ4_XS = IQ4Grid("IQ4_XS", block=QK_K)

@@ -185,10 +185,17 @@ def pack_mxfp4(qt: QuantizedTensor) -> torch.Tensor:
     return torch.cat([_u8(qt.aux["e"]).reshape(-1, 1), _nibbles(q[:, :16], q[:, 16:])], dim=1)
 
 
+def pack_nvfp4(qt: QuantizedTensor) -> torch.Tensor:
+    q = FP4_INDEX_OF_CODE[qt.codes.to(torch.int64)].reshape(-1, 4, 16)  # 4 sub-blocks of 16
+    qs = _nibbles(q[:, :, :8], q[:, :, 8:]).reshape(-1, 32)
+    return torch.cat([_u8(qt.aux["ue"]).reshape(-1, 4), qs], dim=1)
+
+
 PACKERS = {
     "Q8_0": pack_q8_0, "Q4_0": pack_q4_0, "Q4_1": pack_q4_1, "Q5_0": pack_q5_0, "Q5_1": pack_q5_1,
     "Q2_K": pack_q2_k, "Q3_K": pack_q3_k, "Q4_K": pack_q4_k, "Q5_K": pack_q5_k, "Q6_K": pack_q6_k,
     "IQ4_NL": pack_iq4_nl, "IQ4_XS": pack_iq4_xs, "TQ1_0": pack_tq1_0, "TQ2_0": pack_tq2_0, "MXFP4": pack_mxfp4,
+    "NVFP4": pack_nvfp4,
 }  # fmt: skip
 
 

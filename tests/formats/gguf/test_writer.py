@@ -119,12 +119,12 @@ def test_tensor_type_overrides_and_output_type_match_llama_cpp(wide, tmp_path: P
 
 
 def test_mxfp4_tensors_by_override_match_llama_cpp(wide, tmp_path: Path) -> None:
-    """MXFP4 goes on chosen tensors (under MXFP4_MOE a dense model is all Q8_0), with and without an imatrix."""
+    """MXFP4 goes on chosen tensors (under MXFP4_MOE a dense model is all Q8_0), NVFP4 too (no mix has it)."""
     hf, f16 = wide("llama")
-    overrides = [("ffn_", "MXFP4"), ("attn_[qk]", "TQ2_0"), ("attn_v", "IQ4_XS")]
+    overrides = [("ffn_", "MXFP4"), ("attn_[qk]", "TQ2_0"), ("attn_v", "IQ4_XS"), ("attn_output", "NVFP4")]
     ours = write(hf, tmp_path / "ours.gguf", "MXFP4_MOE", overrides=overrides)
     theirs = llama_quantize(f16, tmp_path / "theirs.gguf", "MXFP4_MOE", overrides=overrides)
-    assert "MXFP4" in set(gguf_types(ours).values())
+    assert {"MXFP4", "NVFP4"} <= set(gguf_types(ours).values())
     assert_same_as_llama_cpp(ours, theirs)
 
 

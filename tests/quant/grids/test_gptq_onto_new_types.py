@@ -16,7 +16,7 @@ from llmopt.quant.grids import GRIDS
 from tests.quant.test_gptq_grids import _hessian_error, _problem
 
 
-@pytest.mark.parametrize("type_name", ["IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4"])
+@pytest.mark.parametrize("type_name", ["IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4"])
 def test_gptq_codes_are_the_grids_and_beat_its_rounding(type_name: str) -> None:
     w, h = _problem()
     grid = GRIDS[type_name]

@@ -12,11 +12,11 @@ from llmopt.formats.gguf.blocks import pack
 from llmopt.quant.grids import GRIDS, quantize
 from tests.quant.grids.ggml_reference import ggml_quantize
 
-NEW_TYPES = ["IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4"]  # also checked on float32 denormals (`edge_weights`)
+NEW_TYPES = ["IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4"]  # also checked on float32 denormals (`edge_weights`)
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", *NEW_TYPES]
 # relative RMS error of the grids whose codes are not plain b-bit integers (the others: by bits); ternary
 # with d = max|x| rounds most Gaussian weights to 0
-MAX_ERROR = {"IQ4_NL": 0.1, "IQ4_XS": 0.1, "TQ1_0": 0.85, "TQ2_0": 0.85, "MXFP4": 0.13}
+MAX_ERROR = {"IQ4_NL": 0.1, "IQ4_XS": 0.1, "TQ1_0": 0.85, "TQ2_0": 0.85, "MXFP4": 0.13, "NVFP4": 0.12}
 LEGACY = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 
 
@@ -47,6 +47,8 @@ def edge_weights(rows: int = 24, cols: int = 512) -> torch.Tensor:
     w[13] = torch.randn(cols, generator=g) * 1e-16  # all below the threshold
     w[14] = torch.randn(cols, generator=g) * 1e-12  # tiny but quantized
     w[15, :256] = 1e-38  # constant, just above the smallest normal
+    w[16] = torch.randn(cols, generator=g) * 5000  # NVFP4: max/6 above UE4M3's largest scale (448)
+    w[17] = torch.randn(cols, generator=g) * 0.005  # NVFP4: max/6 among UE4M3's subnormal scales
     return w
 
 

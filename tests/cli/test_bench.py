@@ -73,6 +73,22 @@ def test_llama_cpp_engine_needs_a_gguf(llmopt_here, tiny_models):
     assert_clean_failure(llmopt_here("bench", tiny_models("llama"), "--engine", "llama.cpp"), "reads a .gguf file")
 
 
+def test_llama_cpp_engine_without_llama_cpp_python(llmopt_here, tiny_ggufs, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if the test extra were not installed
+    assert_clean_failure(llmopt_here("bench", tiny_ggufs("llama"), "--engine", "llama.cpp"),
+                         "--engine llama.cpp needs llama-cpp-python: pip install llama-cpp-python")  # fmt: skip
+
+
+def test_llama_cpp_engine_json(llmopt_here, tiny_ggufs):
+    result = llmopt_here("bench", tiny_ggufs("llama"), "--engine", "llama.cpp", "--prompt-len", "12", "--gen", "5",
+                         "--batch", "1,4", "--threads", "1", "--bandwidth", "h100", "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["engine"] == "llama.cpp" and report["bandwidth_gbs"] == 3350 and "h100" in report["bandwidth_source"]
+    assert [(r["batch"], r["generated_tokens"]) for r in report["rows"]] == [(1, 5), (4, 20)]
+    assert all(r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 for r in report["rows"])
+
+
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2_gguf, tmp_path_factory):
     """llama-cpp-python's OpenAI-compatible server on a free loopback port, serving SmolLM2."""

@@ -128,6 +128,20 @@ def test_mxfp4_tensors_by_override_match_llama_cpp(wide, tmp_path: Path) -> None
     assert_same_as_llama_cpp(ours, theirs)
 
 
+@pytest.mark.parametrize("type_name", ["IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4"])
+def test_new_types_read_back_as_their_grid_dequantizes(wide, tmp_path: Path, type_name: str) -> None:
+    """Reading our file (open_model, what inspect/convert/runtime use) gives exactly the grid's values."""
+    from llmopt.quant.grids import quantize
+
+    hf, _ = wide("llama")
+    out = write(hf, tmp_path / "t.gguf", "Q8_0", overrides=[("ffn_down", type_name)])
+    with open_model(hf) as src, open_model(out) as back:
+        names = [n for n in src.tensors if n.endswith("mlp.down_proj.weight")]
+        for name in names:
+            expected = quantize(type_name, src.load(name, torch.float32)).dequantize()
+            assert torch.equal(back.load(name, torch.float32), expected), name
+
+
 def test_plan_types_equal_llama_cpp_dry_run_for_every_mix(wide) -> None:
     hf, f16 = wide("qwen2")
     with open_model(hf) as src:

@@ -127,3 +127,14 @@ def test_endpoint_addresses():
     for bad in ("ftp://x/v1", "127.0.0.1:8080", "http://:80/v1", "http://h:99999999/v1"):
         with pytest.raises(OptionError, match="endpoint"):
             Endpoint.parse(bad)
+
+
+@pytest.mark.slow
+def test_smollm2_lockstep_batch_gives_batch_one_tokens(smollm2_hf_f32):
+    loaded = load_model(str(smollm2_hf_f32))
+    engine = LlmoptEngine(loaded)
+    prompts = synthetic_prompts(4, 48, engine.vocab_size, seed=0, exclude=engine.excluded_ids())
+    batched = engine.run(prompts, 16)
+    gen = Generator(loaded.model, loaded.tokenizer)
+    for prompt, tokens in zip(prompts, batched.tokens):
+        assert gen.generate(prompt, 16, SamplingConfig(), ignore_eos=True).token_ids == tokens

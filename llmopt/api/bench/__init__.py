@@ -10,6 +10,7 @@ OpenAI-compatible server (`endpoint.py`). Every engine reads the same synthetic 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -109,6 +110,10 @@ def bench(model: str | Path | None = None, *, engine: str | None = None, endpoin
         if model is None:
             raise OptionError("give the MODEL to benchmark (or <endpoint> URL)")
         batches = int_list(batch or (1,), "batch", high=MAX_BATCH)
+        if bandwidth is not None:  # a given number or GPU name is checked before the model loads
+            from llmopt.api.bench.bandwidth import resolve_bandwidth
+
+            resolve_bandwidth(bandwidth, "cpu")
         report = _bench_in_process(str(model), engine, lengths, gen, batches, seed, dtype, device, threads, bandwidth,
                                    warmup, on_row)  # fmt: skip
     if plot is not None:
@@ -181,8 +186,6 @@ def _make_engine(model: str, name: str, dtype: str, device: str, threads: int) -
 
 def _check_cache_fits(nbytes: int, device: str) -> None:
     """Refuse a sweep whose largest KV cache alone exceeds the memory available now."""
-    import os
-
     if not device.startswith("cpu"):
         return
     try:

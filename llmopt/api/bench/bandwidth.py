@@ -36,26 +36,26 @@ def resolve_bandwidth(value: str | float | None, device: str, threads: int = 0) 
 
 
 def measure_read_bandwidth(device: str, threads: int = 0) -> tuple[float, str]:
+    """(GB/s, description) of the fastest of READS full reads of a large buffer on `device`."""
     import torch
 
     kind = "cuda" if device.startswith("cuda") else "cpu"
+    nbytes = BUFFER_BYTES[kind]
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
+    used = torch.get_num_threads()
     try:
-        buf = torch.ones(BUFFER_BYTES[kind] // 4, dtype=torch.float32, device=device)
+        buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
         best = float("inf")
         for _ in range(READS):
             if kind == "cuda":
                 torch.cuda.synchronize(device)
             t = time.perf_counter()
-            buf.sum().item()
+            buf.sum().item()  # .item() waits for the device
             best = min(best, time.perf_counter() - t)
         del buf
     finally:
         torch.set_num_threads(before)
-    return buf_gbs(BUFFER_BYTES[kind], best), f"measured: read of {BUFFER_BYTES[kind] >> 20} MiB, {torch.get_num_threads() if not threads else threads} thread(s)"
-
-
-def buf_gbs(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9
+    where = f"{used} thread(s)" if kind == "cpu" else device
+    return nbytes / best / 1e9, f"measured: read of {nbytes >> 20} MiB, {where}"

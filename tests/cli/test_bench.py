@@ -61,6 +61,10 @@ def test_bad_endpoint_options(llmopt_here, tiny_models):
                          "choose one of --engine and --endpoint")  # fmt: skip
     assert_clean_failure(llmopt_here("bench", "--endpoint", "http://127.0.0.1:1/v1", "--model", "m"), "needs the model's tokenizer")
     assert_clean_failure(llmopt_here("bench"), "give the MODEL")
+    down = ["bench", model, "--endpoint", "http://127.0.0.1:1/v1"]  # checked before any connection
+    assert_clean_failure(llmopt_here(*down, "--requests", "0"), "--requests 0: must be between 1 and")
+    assert_clean_failure(llmopt_here(*down, "--time-limit", "0"), "--time-limit 0.0: must be > 0")
+    assert_clean_failure(llmopt_here(*down, "--concurrency", "2,0"), "--concurrency 0: each value must be between 1")
 
 
 def test_server_down_is_one_line(llmopt_cli, tiny_models):

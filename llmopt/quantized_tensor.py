@@ -80,6 +80,31 @@ class QuantizedTensor:
             aux={k: pick(v) for k, v in self.aux.items()},
         )  # fmt: skip
 
+    @staticmethod
+    def stack_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
+        """Tensors over the same columns as one, rows in order: the inverse of `take_rows`. Files that
+        store several linears as one (Phi-3's qkv_proj) need them on one grid and one column order,
+        as linears quantized together on one shared input are."""
+        first = parts[0]
+        for p in parts[1:]:
+            same = (p.bits, p.group_size, p.grid, p.shape[1], p.zeros is None, p.mins is None, set(p.aux)) == \
+                (first.bits, first.group_size, first.grid, first.shape[1], first.zeros is None, first.mins is None, set(first.aux))  # fmt: skip
+            if not same or not torch.equal(p.group_index(), first.group_index()):
+                raise ValueError("linears stored as one need the same grid, bits, groups and column order")
+
+        def cat(fields: list[torch.Tensor | None]) -> torch.Tensor | None:
+            if fields[0] is None:
+                return None
+            rows = [t.expand(p.shape[0], *t.shape[1:]) if t.shape[0] == 1 and p.shape[0] != 1 else t
+                    for t, p in zip(fields, parts)]  # a per-tensor parameter row repeats for each row
+            return torch.cat(rows)
+
+        return QuantizedTensor(
+            codes=torch.cat([p.codes for p in parts]), scales=cat([p.scales for p in parts]), bits=first.bits,
+            group_size=first.group_size, zeros=cat([p.zeros for p in parts]), mins=cat([p.mins for p in parts]),
+            g_idx=first.g_idx, grid=first.grid, aux={k: cat([p.aux[k] for p in parts]) for k in first.aux},
+        )  # fmt: skip
+
     def to(self, device: torch.device | str) -> QuantizedTensor:
         """The same tensor with every field on `device`."""
 

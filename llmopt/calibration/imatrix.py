@@ -72,9 +72,12 @@ def compute_imatrix(source: ModelSource, chunks: torch.Tensor, *, device: torch.
 
             return sink
 
-        hooks = []
+        hooks, hooked = [], set()
         for suffix in family.linears:
             name = family.hf_to_gguf_name(f"model.layers.{layer}.{suffix}.weight")
+            if name in hooked:  # the parts of one fused tensor (Phi-3's attn_qkv) read one input: count it once
+                continue
+            hooked.add(name)
             hooks.append(capture_inputs(block.get_submodule(suffix), sink_for(name)))
         for h in hooks:
             h.__enter__()

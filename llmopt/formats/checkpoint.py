@@ -99,8 +99,9 @@ def _order(name: str) -> tuple[int, int, str]:
     return (0 if "embed_tokens" in name else 2, 0, name)
 
 
-def plan_tensors(source: ModelSource, spec: QuantizeSpec, fmt: str) -> tuple[list[PlannedTensor], dict[str, str]]:
-    """Every tensor to write, and for quantized ones the module that produces it."""
+def plan_tensors(source: ModelSource, spec: QuantizeSpec, fmt: str) -> tuple[list[PlannedTensor], dict[str, list[str]]]:
+    """Every tensor to write, and for quantized ones the modules whose results make it: the module
+    itself, or a fused linear's parts (Phi-3's qkv_proj is written as one quantized linear)."""
     arch = source.arch
     quantized = set(quantized_modules(source, spec))
     names = [n for n in source.tensors if n.removesuffix(".weight") not in quantized or not n.endswith(".weight")]
@@ -109,20 +110,25 @@ def plan_tensors(source: ModelSource, spec: QuantizeSpec, fmt: str) -> tuple[lis
     if arch.tie_word_embeddings and not spec.quantize_head:
         names = [n for n in names if n != "lm_head.weight"]
     plan: list[PlannedTensor] = []
-    producer: dict[str, str] = {}
+    producer: dict[str, list[str]] = {}
     for module in quantized:
         names.append(f"{module}.weight")
     parts = layout(fmt).parts
-    for name in sorted(set(names), key=_order):
+    for name, members in arch.family.stored_names(sorted(set(names), key=_order)).items():
         module = name.removesuffix(".weight")
-        if name.endswith(".weight") and module in quantized:
-            weight = head_weight_name(source) if module == HEAD else name
-            out_f, in_f = (int(d) for d in source.tensors[weight].shape)
-            for part, shape, dtype in parts(out_f, in_f, *spec.module_bits(module)):
+        modules = [m.removesuffix(".weight") for m in members]
+        done = [m for m in modules if m in quantized] if name.endswith(".weight") else []
+        if done and (len(done) < len(modules) or len({spec.module_bits(m) for m in modules}) > 1):
+            raise OptionError(f"{module} is one linear in {arch.family.name} checkpoints: quantize all of "
+                              f"{', '.join(m.rpartition('.')[2] for m in modules)} with the same bits and group size")  # fmt: skip
+        shapes = [source.tensors[head_weight_name(source) if m == f"{HEAD}.weight" and done else m].shape for m in members]
+        out_f, rest = sum(int(shape[0]) for shape in shapes), tuple(shapes[0][1:])  # a fused tensor: rows stacked
+        if done:
+            for part, shape, dtype in parts(out_f, int(rest[0]), *spec.module_bits(modules[0])):
                 plan.append(PlannedTensor(f"{module}.{part}", shape, dtype))
-                producer[f"{module}.{part}"] = module
+                producer[f"{module}.{part}"] = modules
         else:
-            plan.append(PlannedTensor(name, source.tensors[name].shape, torch.float16))
+            plan.append(PlannedTensor(name, (out_f, *rest), torch.float16))
     return plan, producer
 
 
@@ -148,9 +154,9 @@ class CheckpointWriter:
         self.updated: dict[str, torch.Tensor] = {}  # float tensors the pipeline changed (AWQ's norms)
         self.layers_added: set[int] = set()
         self.packed: dict[str, dict[str, torch.Tensor]] = {}
-        self.unwritten: dict[str, int] = {}  # module -> its tensors still to write
-        for module in self.producer.values():
-            self.unwritten[module] = self.unwritten.get(module, 0) + 1
+        self.unwritten: dict[str, int] = {}  # stored module -> its tensors still to write
+        for modules in self.producer.values():
+            self.unwritten[modules[0]] = self.unwritten.get(modules[0], 0) + 1
         self.path: Path | None = None
 
     def add(self, block: BlockResult) -> None:
@@ -162,9 +168,9 @@ class CheckpointWriter:
 
     def _ready(self, name: str) -> bool:
         """A block's own tensors wait for the block: the pipeline may change them (AWQ's norms)."""
-        module = self.producer.get(name)
-        if module is not None:
-            return module in self.held
+        modules = self.producer.get(name)
+        if modules is not None:
+            return all(m in self.held for m in modules)
         m = _LAYER.match(name)
         return m is None or int(m.group(1)) in self.layers_added
 
@@ -172,24 +178,32 @@ class CheckpointWriter:
         while (t := self.shards.next) is not None:
             if not final and not self._ready(t.name):
                 return
-            module = self.producer.get(t.name)
-            if module is None:
-                tensor = self.updated.pop(t.name, None)
-                if tensor is None:
-                    tensor = self.source.load(t.name, dtype=torch.float32)
-                tensor = tensor.to(torch.float16)
-            elif module not in self.held:
-                raise RuntimeError(f"{t.name}: the pipeline produced no result for {module}")
+            modules = self.producer.get(t.name)
+            if modules is None:
+                tensor = self._float(t.name).to(torch.float16)
+            elif not all(m in self.held for m in modules):
+                raise RuntimeError(f"{t.name}: the pipeline produced no result for {', '.join(modules)}")
             else:
-                if module not in self.packed:
-                    self.packed[module] = self.layout.tensors(self.held[module])
+                module = modules[0]
+                if module not in self.packed:  # a fused linear's parts: one quantized linear, rows stacked
+                    held = [self.held[m] for m in modules]
+                    self.packed[module] = self.layout.tensors(held[0] if len(held) == 1 else QuantizedTensor.stack_rows(held))
                 tensor = self.packed[module][t.name.rpartition(".")[2]]
             self.shards.put(tensor)
-            if module is not None:
-                self.unwritten[module] -= 1
-                if not self.unwritten[module]:  # every part of it is written
-                    self.held.pop(module)
-                    self.packed.pop(module, None)
+            if modules is not None:
+                self.unwritten[modules[0]] -= 1
+                if not self.unwritten[modules[0]]:  # every part of it is written
+                    for m in modules:
+                        self.held.pop(m)
+                    self.packed.pop(modules[0], None)
+
+    def _float(self, name: str) -> torch.Tensor:
+        """A float tensor as the source or the pipeline (AWQ's norms) has it; a fused one stacked from its parts."""
+        parts = self.source.arch.family.part_names(name)
+        if parts is not None and name not in self.source.tensors:
+            return torch.cat([self._float(p) for p in parts])
+        tensor = self.updated.pop(name, None)
+        return tensor if tensor is not None else self.source.load(name, dtype=torch.float32)
 
     def finish(self) -> Path:
         """Write what is left (norms, head, config, tokenizer) and move the directory into place."""

@@ -46,10 +46,13 @@ def write_hf_dir(source: ModelSource, out: Path, dtype: str = "float16", max_sha
     torch_dtype = DTYPES[dtype]
     arch = source.arch
     tok = source.tokenizer()
-    plan = [PlannedTensor(name, info.shape, torch_dtype) for name, info in source.tensors.items()]
+    plan = []
+    for name, parts in arch.family.stored_names(source.tensors).items():  # a fused linear: its parts' rows stacked
+        shape = tuple(source.tensors[parts[0]].shape)
+        plan.append(PlannedTensor(name, (sum(source.tensors[p].shape[0] for p in parts), *shape[1:]), torch_dtype))
 
     def produce(t: PlannedTensor) -> torch.Tensor:
-        return source.load(t.name, dtype=torch.float32).to(torch_dtype)
+        return source.load_stored(t.name, dtype=torch.float32).to(torch_dtype)
 
     def done(t: PlannedTensor) -> None:
         if on_tensor:

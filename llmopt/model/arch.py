@@ -64,7 +64,12 @@ class ArchSpec:
         if rope_scaling is not None and not isinstance(rope_scaling, dict):
             raise InputError(f"config.json: `rope_scaling` must be an object, got {type(rope_scaling).__name__}")
         if rope_scaling is None and rope.get("rope_type", "default") != "default":
-            rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+            rope_scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+        partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise InputError(f"config.json: partial rotary embeddings (partial_rotary_factor {partial!r:.20}) are not supported")
+        if rope_scaling is not None and "original_max_position_embeddings" in cfg:  # Phi-3 keeps it at the top level
+            rope_scaling = {"original_max_position_embeddings": cfg["original_max_position_embeddings"], **rope_scaling}
         hidden = integer(get("hidden_size"), "config.json `hidden_size`")
         heads = integer(get("num_attention_heads"), "config.json `num_attention_heads`")
         kv_heads = integer(cfg.get("num_key_value_heads") or heads, "config.json `num_key_value_heads`")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,13 +20,15 @@ from llmopt.errors import InputError
 from llmopt.model.arch import ArchSpec
 from llmopt.model.families.base import unpermute_from_gguf
 from llmopt.model.gguf_header import read_gguf
-from llmopt.model.rope import ROPE_FREQS
+from llmopt.model.rope import GGUF_ONLY, rope_scaling_from_gguf
 from llmopt.model.source import ModelSource, TensorInfo, torch_dtype
 from llmopt.model.tokenizer import TokenizerInfo, tokenizer_from_gguf
 from llmopt.model.validate import check_tensors
 
 if TYPE_CHECKING:
     import torch
+
+_FLOATS = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
 
 
 class GGUFSource(ModelSource):
@@ -44,13 +47,18 @@ class GGUFSource(ModelSource):
         self.tensors = {}
         for t in raw_tensors:
             hf = family.gguf_to_hf_name(t.name)
-            if hf is None:  # GGUF-only tensors (llama3's rope_freqs) stay out of the HF view
-                if t.name != ROPE_FREQS:
+            if hf is None:  # GGUF-only tensors (llama3's rope_freqs, longrope's factors) stay out of the HF view
+                if t.name not in GGUF_ONLY:
                     raise InputError(f"{path}: unknown tensor {t.name!r} for architecture {family.gguf_arch}")
                 continue
             shape = tuple(int(d) for d in reversed(t.shape))
             self.tensors[hf] = TensorInfo(hf, t.name, shape, t.tensor_type.name, int(t.n_bytes))
+        scaling = rope_scaling_from_gguf(self.arch, self.metadata, {n: np.array(t.data, dtype=np.float32) for n, t in self._by_stored.items()
+                                                                    if n in GGUF_ONLY and t.tensor_type in _FLOATS})  # fmt: skip
+        if scaling is not None:
+            self.arch = replace(self.arch, rope_scaling=scaling)
         check_tensors(self.arch, {n: t.shape for n, t in self.tensors.items()}, str(path))
+        self.split_fused()
         tokens = self.metadata.get("tokenizer.ggml.tokens")
         if isinstance(tokens, list) and len(tokens) != self.arch.vocab_size:  # llama.cpp refuses it too
             raise InputError(f"{path}: {len(tokens)} tokens in tokenizer.ggml.tokens for a vocabulary of {self.arch.vocab_size}")
@@ -61,7 +69,8 @@ class GGUFSource(ModelSource):
         import torch
 
         dtype = torch_dtype(dtype)
-        info = self.tensors[name]
+        stored, rows = self.stored_rows(name)
+        info = self.tensors[name] if rows is None else self.fused_tensors[stored]
         raw = self._by_stored[info.stored_name]
         qtype = raw.tensor_type
         if qtype == GGMLQuantizationType.F32:
@@ -76,6 +85,8 @@ class GGUFSource(ModelSource):
             except NotImplementedError:
                 raise InputError(f"{self.path}: tensor {raw.name} is {qtype.name}, which llmopt cannot read") from None
         t = t.reshape(info.shape)
+        if rows is not None:  # one linear of a fused tensor (Phi-3's attn_qkv)
+            t = t[rows]
         heads = self.arch.family.qk_heads(name, self.arch.num_heads, self.arch.num_kv_heads)
         if heads is not None:
             t = unpermute_from_gguf(t, heads)

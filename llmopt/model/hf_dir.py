@@ -69,6 +69,7 @@ class HFDirSource(ModelSource):
             if name.endswith((".weight", ".bias")) and info.dtype not in _FLOATS:
                 raise InputError(f"{path}: {name} is stored as {info.dtype}; weights are floating point")
         check_tensors(self.arch, {n: t.shape for n, t in self.tensors.items()}, str(path))
+        self.split_fused()
         self.metadata = {k: self.config[k] for k in ("torch_dtype", "dtype", "transformers_version", "_name_or_path") if k in self.config}
         self._tokenizer: TokenizerInfo | None = None
         self._tokenizer_read = False
@@ -105,12 +106,13 @@ class HFDirSource(ModelSource):
         return handle
 
     def load(self, name: str, dtype: torch.dtype | str | None = "float32") -> torch.Tensor:
-        import torch
-
         dtype = torch_dtype(dtype)
         if name not in self.tensors:
             raise KeyError(name)
-        t = self._handles[self._file_of[name]].get_tensor(name)  # a view into safetensors' private map
+        stored, rows = self.stored_rows(name)
+        handle = self._handles[self._file_of[stored]]
+        # a view into safetensors' private map (a fused linear's part: only its rows are read)
+        t = handle.get_tensor(stored) if rows is None else handle.get_slice(stored)[rows]
         # always a copy: callers own what they get, and release_pages() may drop the map's pages
         return t.clone() if dtype is None or not t.is_floating_point() else t.to(dtype, copy=True)
 

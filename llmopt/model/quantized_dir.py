@@ -43,7 +43,7 @@ class PackedDirSource(HFDirSource):
             raise InputError(f"{path}: quantization_config has a bad bits or group_size") from None
         self.dynamic: list = []
         self.check_config(q)
-        self.stored = self.tensors
+        self.stored = self.unsplit()  # HFDirSource split the float tensors; the packed ones are listed here
         self.modules: dict[str, tuple[int, int]] = {}  # module -> (out, in)
         logical: dict[str, TensorInfo] = {}
         for name, info in self.stored.items():
@@ -66,6 +66,10 @@ class PackedDirSource(HFDirSource):
                 logical[f"{module}.weight"] = TensorInfo(f"{module}.weight", name, (out_f, in_f), kind, nbytes)
         self.tensors = logical
         check_tensors(self.arch, {n: t.shape for n, t in logical.items()}, f"{path} ({self.method.upper()} {self.bits}-bit)")
+        self.split_fused()  # a fused packed linear (Phi-3's qkv_proj) serves its parts by rows
+        for part, (stored, lo, hi) in self.fused_rows.items():
+            if stored.removesuffix(".weight") in self.modules:
+                self.modules[part.removesuffix(".weight")] = (hi - lo, self.modules[stored.removesuffix(".weight")][1])
 
     def check_config(self, q: dict) -> None:
         """Refuse what this reader cannot read (one line)."""
@@ -78,7 +82,14 @@ class PackedDirSource(HFDirSource):
         raise NotImplementedError
 
     def quantized(self, module: str) -> QuantizedTensor:
-        """One packed linear as codes [out, in], scales and true zero points [out, groups], g_idx."""
+        """One packed linear as codes [out, in], scales and true zero points [out, groups], g_idx (a part
+        of a fused linear: its rows)."""
+        stored, rows = self.stored_rows(f"{module}.weight")
+        qt = self.stored_quantized(stored.removesuffix(".weight"))
+        return qt if rows is None else qt.take_rows(rows)
+
+    def stored_quantized(self, module: str) -> QuantizedTensor:
+        """One packed linear as the file stores it."""
         raise NotImplementedError
 
     def raw(self, module: str, part: str) -> torch.Tensor:
@@ -144,7 +155,7 @@ class GPTQDirSource(PackedDirSource):
                              f"take {in_f * bits / 32:g}")  # fmt: skip
         return qweight_shape[1], in_f
 
-    def quantized(self, module: str) -> QuantizedTensor:
+    def stored_quantized(self, module: str) -> QuantizedTensor:
         out_f, in_f = self.modules[module]
         bits, group_size = self.module_config(module)
         codes = unpack_qweight(self.raw(module, "qweight"), bits, in_f).t().contiguous()
@@ -173,7 +184,7 @@ class AWQDirSource(PackedDirSource):
     def linear_shape(self, module: str, qweight_shape: tuple[int, ...]) -> tuple[int, int]:
         return qweight_shape[1] * 8, qweight_shape[0]
 
-    def quantized(self, module: str) -> QuantizedTensor:
+    def stored_quantized(self, module: str) -> QuantizedTensor:
         out_f, in_f = self.modules[module]
         codes = unpack_awq(self.raw(module, "qweight"), out_f).t().contiguous()  # [in, out] -> [out, in]
         zeros = unpack_awq(self.raw(module, "qzeros"), out_f).t().contiguous()  # [groups, out] -> [out, groups]

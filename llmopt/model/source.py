@@ -54,6 +54,53 @@ class ModelSource(ABC):
     tensors: dict[str, TensorInfo]  # HF name -> info, in file order
     metadata: dict[str, Any]
     quantization_config: dict[str, Any] | None = None
+    # a family's fused linears (Phi-3's qkv_proj): each part -> (stored tensor, first row, end row),
+    # and the stored tensors' own infos; `tensors` lists the parts, never the fused tensor
+    fused_rows: dict[str, tuple[str, int, int]] = {}
+    fused_tensors: dict[str, TensorInfo] = {}
+
+    def split_fused(self) -> None:
+        """List each of the family's fused tensors as the linears it holds (rows of the stored tensor),
+        so everything above the readers sees the Llama block. Readers call it after `check_tensors`."""
+        family = self.arch.family
+        if not family.fused:
+            return
+        tensors: dict[str, TensorInfo] = {}
+        self.fused_rows, self.fused_tensors = {}, {}
+        for name, info in self.tensors.items():
+            parts = family.split(self.arch, name) if name.endswith((".weight", ".bias")) else None
+            if parts is None:
+                tensors[name] = info
+                continue
+            self.fused_tensors[name] = info
+            total = info.shape[0]
+            for part, lo, hi in parts:  # bytes pro rata, summing to the stored tensor's
+                nbytes = info.nbytes * hi // total - info.nbytes * lo // total
+                tensors[part] = TensorInfo(part, info.stored_name, (hi - lo, *info.shape[1:]), info.dtype, nbytes)
+                self.fused_rows[part] = (name, lo, hi)
+        self.tensors = tensors
+
+    def unsplit(self) -> dict[str, TensorInfo]:
+        """The listing as the files have it (each fused tensor in place of its parts): `split_fused` undone."""
+        out: dict[str, TensorInfo] = {}
+        for name, info in self.tensors.items():
+            stored = self.fused_rows[name][0] if name in self.fused_rows else name
+            out.setdefault(stored, self.fused_tensors.get(stored, info))
+        return out
+
+    def stored_rows(self, name: str) -> tuple[str, slice | None]:
+        """The stored tensor that holds `name`, and the rows of it that are `name` (None: all)."""
+        entry = self.fused_rows.get(name)
+        return (name, None) if entry is None else (entry[0], slice(entry[1], entry[2]))
+
+    def load_stored(self, name: str, dtype: torch.dtype | str | None = "float32") -> torch.Tensor:
+        """A tensor as this family's files store it: a fused linear is its parts stacked by rows."""
+        parts = self.arch.family.part_names(name)
+        if parts is None or name in self.tensors:
+            return self.load(name, dtype)
+        import torch
+
+        return torch.cat([self.load(part, dtype) for part in parts])
 
     @abstractmethod
     def load(self, name: str, dtype: torch.dtype | str | None = "float32") -> torch.Tensor:

@@ -13,6 +13,7 @@ from llmopt.model.arch import ArchSpec
 from llmopt.model.families import Family
 from llmopt.model.families.llama import LLAMA
 from llmopt.model.families.mistral import MISTRAL
+from llmopt.model.families.phi3 import PHI3
 from llmopt.model.families.qwen2 import QWEN2
 
 # Llama 3.1's rope scaling (same block in the 8B, 70B and 405B configs).
@@ -95,6 +96,10 @@ _PRESETS = (
     Preset("mixtral-8x7b", "mistralai/Mixtral-8x7B-v0.1", _arch(
         MISTRAL, "MixtralForCausalLM", hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=32000,
         context=32768, rope_theta=1000000.0, eps=1e-5, experts=8, experts_per_token=2)),
+    # microsoft/Phi-3-mini-4k-instruct config.json (no GQA; q/k/v and gate/up stored fused)
+    Preset("phi-3-mini", "microsoft/Phi-3-mini-4k-instruct", _arch(
+        PHI3, "Phi3ForCausalLM", hidden=3072, layers=32, heads=32, kv_heads=32, ffn=8192, vocab=32064,
+        context=4096, rope_theta=10000.0, eps=1e-5)),
     # Qwen/Qwen2.5-0.5B config.json
     Preset("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B", _qwen2(
         hidden=896, layers=24, heads=14, kv_heads=2, ffn=4864, vocab=151936, context=32768,

@@ -35,7 +35,7 @@ from llmopt.formats.gguf.types import aligned, ggml_type, tensor_nbytes
 from llmopt.formats.gguf.vocab import vocab_metadata
 from llmopt.model.arch import ArchSpec
 from llmopt.model.families.base import permute_for_gguf
-from llmopt.model.rope import llama3_factors
+from llmopt.model.rope import attention_factor, gguf_only_values, longrope_original_context, rope_kind
 from llmopt.model.source import ModelSource
 from llmopt.quant.grids import GRIDS, Grid, quantize
 from llmopt.quant.grids.layout import single_threaded_ops
@@ -53,6 +53,7 @@ class PlannedTensor:
     shape: tuple[int, ...]  # HF orientation; GGUF stores the reverse
     type_name: str
     source_nbytes: int
+    parts: tuple[str, ...] = ()  # the source tensors it stacks by rows (Phi-3's attn_qkv: q, k, v), if fused
 
     @property
     def nbytes(self) -> int:
@@ -115,14 +116,17 @@ def plan_gguf(
     shapes = gguf_shapes(source)
     types = plan_shapes(shapes, mix, source.arch, overrides=overrides, has_imatrix=has_imatrix,
                         output_tensor_type=output_tensor_type)  # fmt: skip
-    by_gguf = {source.arch.family.hf_to_gguf_name(n): n for n in source.tensors}
-    tensors = [
-        PlannedTensor(name, by_gguf[name], shapes[name], types[name], source.tensors[by_gguf[name]].nbytes)
-        for name in shapes
-    ]
-    freqs = llama3_factors(source.arch)
-    if freqs is not None:
-        tensors.insert(1, PlannedTensor("rope_freqs.weight", None, tuple(freqs.shape), "F32", 0))
+    family = source.arch.family
+    stored = family.stored_names(source.tensors)  # a fused linear (attn_qkv) stacks several source tensors
+    by_gguf = {family.hf_to_gguf_name(n): n for n in stored}
+    tensors = []
+    for name in shapes:
+        parts = stored[by_gguf[name]]
+        tensors.append(PlannedTensor(name, by_gguf[name], shapes[name], types[name],
+                                     sum(source.tensors[p].nbytes for p in parts),
+                                     tuple(parts) if parts != [by_gguf[name]] else ()))  # fmt: skip
+    for name, values in reversed(gguf_only_values(source.arch).items()):  # after token_embd, as llama.cpp's rope_freqs
+        tensors.insert(1, PlannedTensor(name, None, tuple(values.shape), "F32", 0))
     plan = GgufPlan(mix=mix, tensors=tensors, metadata=gguf_metadata(source, mix, provenance or Provenance()))
     plan.header = _render_header(source, plan)
     plan.header_nbytes, plan.header_key = len(plan.header), plan.key()
@@ -164,9 +168,9 @@ class GGUFWriter:
     def _ready(self, planned: PlannedTensor) -> bool:
         if not self.computed or planned.hf_name is None:
             return True
-        module = planned.hf_name.removesuffix(".weight")
-        if module in self.computed:
-            return module in self.held
+        modules = _modules(planned)
+        if any(m in self.computed for m in modules):
+            return all(m in self.held for m in modules)
         m = _HF_LAYER.match(planned.hf_name)
         return m is None or int(m.group(1)) in self.layers_added
 
@@ -176,15 +180,15 @@ class GGUFWriter:
             planned = self.plan.tensors[self.next]
             if not final and not self._ready(planned):
                 return  # its block has not been added yet
-            module = planned.hf_name.removesuffix(".weight") if planned.hf_name else None
+            modules = _modules(planned)
             start = time.perf_counter()
-            if module in self.computed:
-                if module not in self.held:
+            if any(m in self.computed for m in modules):
+                if not all(m in self.held and m in self.computed for m in modules):
                     raise RuntimeError(f"{planned.gguf_name}: the pipeline produced no result for it")
-                data = encode_computed(self.source, planned, self.held.pop(module))
+                data = encode_computed(self.source, planned, QuantizedTensor.stack_rows([self.held.pop(m) for m in modules]))
             else:
                 importance = None if self.importance is None else self.importance.get(planned.gguf_name)
-                weight = self.updated.pop(planned.hf_name, None) if planned.hf_name else None
+                weight = self._updated(planned)
                 with single_threaded_ops():  # small ops: threads inside each op cost more than they gain
                     data = encode_tensor(self.source, planned, importance, weight)
             if data.nbytes != planned.nbytes:
@@ -195,6 +199,16 @@ class GGUFWriter:
             self.next += 1
             if self.on_tensor is not None:
                 self.on_tensor(planned, time.perf_counter() - start)
+
+    def _updated(self, planned: PlannedTensor) -> torch.Tensor | None:
+        """The tensor as a method changed it, if it did (a fused one: its parts, changed or not, stacked)."""
+        if planned.hf_name is None:
+            return None
+        if not planned.parts:
+            return self.updated.pop(planned.hf_name, None)
+        if not any(p in self.updated for p in planned.parts):
+            return None
+        return torch.cat([self.updated.pop(p, None) if p in self.updated else self.source.load(p) for p in planned.parts])
 
     def finish(self) -> Path:
         self._write_ready(final=True)
@@ -212,10 +226,16 @@ class GGUFWriter:
             self.out.discard()
 
 
+def _modules(planned: PlannedTensor) -> list[str]:
+    """The source modules whose results make up a planned tensor (a fused one: each part's)."""
+    return [p.removesuffix(".weight") for p in (planned.parts or ((planned.hf_name,) if planned.hf_name else ()))]
+
+
 def grids_for(plan: GgufPlan) -> Callable[[str], Grid]:
     """The grid each module's codes must land on for `plan`: what a method that rounds by itself
     (GPTQ onto a GGUF grid) is given as `QuantizeSpec.grids`, so the file gets the plan's types."""
-    types = {t.hf_name.removesuffix(".weight"): t.type_name for t in plan.tensors if t.hf_name}
+    types = {part.removesuffix(".weight"): t.type_name for t in plan.tensors if t.hf_name
+             for part in (t.parts or (t.hf_name,))}  # fmt: skip
 
     def grid(module: str) -> Grid:
         type_name = types.get(module)
@@ -247,10 +267,10 @@ def encode_tensor(source: ModelSource, planned: PlannedTensor, importance: torch
     """One tensor's bytes in its planned type: loaded (or `weight`, where a method changed it),
     permuted for llama.cpp, quantized and packed."""
     if planned.hf_name is None:
-        return llama3_factors(source.arch).numpy()
+        return gguf_only_values(source.arch)[planned.gguf_name].numpy()
     if weight is not None:
         return _encode(source, planned, weight.to(torch.float32), importance)
-    raw = source.load(planned.hf_name, None)
+    raw = source.load_stored(planned.hf_name, None)
     try:
         return _encode(source, planned, raw.to(torch.float32) if raw.is_floating_point() else raw, importance)
     finally:
@@ -393,6 +413,9 @@ def _add_architecture(w: gguf.GGUFWriter, arch: ArchSpec) -> None:
         w.add_rope_scaling_factor(float(scaling["factor"]))
         if "original_max_position_embeddings" in scaling:
             w.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+    elif rope_kind(arch) == "longrope":  # as llama.cpp's converter: no type; the factors are tensors
+        w.add_rope_scaling_attn_factors(attention_factor(arch))
+        w.add_rope_scaling_orig_ctx_len(longrope_original_context(arch))
 
 
 def _add_tokenizer(w: gguf.GGUFWriter, info: Any, vocab_size: int) -> None:

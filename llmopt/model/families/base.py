@@ -13,9 +13,11 @@ GPTQ quantizes stage by stage (true-sequential); AWQ folds its scales into each 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from llmopt.errors import InputError
 
 
 if TYPE_CHECKING:
@@ -28,6 +30,19 @@ if TYPE_CHECKING:
 # linears of which only some are read per token; the rest stay in float in every format.
 LINEAR, EXPERT, EMBEDDING, OUTPUT, NORM, BIAS, ROUTER, ROPE = (
     "linear", "expert", "embedding", "output", "norm", "bias", "router", "rope")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Fused:
+    """One linear in the files that holds several of the block's linears, stacked by rows.
+
+    Phi-3 stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`. Readers split it into
+    the block's linears (so the decoder, the stage table and every method see Llama's block), and
+    writers stack the parts again (HF, GGUF and GPTQ/AWQ files keep the fused layout)."""
+
+    name: str  # block-relative module name in HF files, e.g. "self_attn.qkv_proj"
+    gguf: str  # llama.cpp's name for it after "blk.{i}.", e.g. "attn_qkv"
+    parts: tuple[str, ...]  # the block linears it holds, in row order, e.g. ("self_attn.q_proj", ...)
 
 
 @dataclass(frozen=True)
@@ -106,12 +121,70 @@ class Family:
     # family-specific keys of the config.json llmopt writes (beyond the shared ones in ArchSpec)
     hf_config_keys: Callable[[ArchSpec], dict[str, Any]] = field(default=_no_keys, compare=False)
     make_block: Callable[[ArchSpec, int], nn.Module] = field(default=_default_block, compare=False)
+    fused: tuple[Fused, ...] = ()  # linears that files store stacked (Phi-3's qkv_proj, gate_up_proj)
 
     # ------------------------------------------------------------------------------ names
     @property
     def block_tensors(self) -> dict[str, str]:
-        """HF suffix -> GGUF suffix of every tensor a block of this family can hold."""
-        return {**LLAMA_BLOCK_TENSORS, **(QK_NORM_TENSORS if self.qk_norm else {})}
+        """HF suffix -> GGUF suffix of every tensor a block of this family can hold in its files
+        (a fused linear under its stored name; its parts are not stored)."""
+        tensors = {**LLAMA_BLOCK_TENSORS, **(QK_NORM_TENSORS if self.qk_norm else {})}
+        for f in self.fused:
+            for part in f.parts:
+                tensors.pop(f"{part}.weight")
+                tensors.pop(f"{part}.bias", None)
+            tensors[f"{f.name}.weight"] = f"{f.gguf}.weight"
+        return tensors
+
+    def fused_of(self, hf_name: str) -> tuple[str, Fused] | None:
+        """(the stored tensor's HF name, its `Fused`) of a part's tensor ("...q_proj.weight"), else None."""
+        m = _HF_BLOCK.match(hf_name)
+        if m:
+            module, _, leaf = m.group(2).rpartition(".")
+            for f in self.fused:
+                if module in f.parts:
+                    return f"model.layers.{m.group(1)}.{f.name}.{leaf}", f
+        return None
+
+    def part_names(self, hf_name: str) -> list[str] | None:
+        """The parts' HF names of a stored fused tensor ("...qkv_proj.weight"), in row order, else None."""
+        m = _HF_BLOCK.match(hf_name)
+        if m:
+            module, _, leaf = m.group(2).rpartition(".")
+            for f in self.fused:
+                if module == f.name:
+                    return [f"model.layers.{m.group(1)}.{part}.{leaf}" for part in f.parts]
+        return None
+
+    def split(self, arch: ArchSpec, hf_name: str) -> list[tuple[str, int, int]] | None:
+        """The parts of a stored fused tensor as (part's HF name, first row, end row), else None."""
+        names = self.part_names(hf_name)
+        if names is None:
+            return None
+        rows, out, start = linear_rows(arch), [], 0
+        for name in names:
+            n = rows[name.split(".", 3)[3].rpartition(".")[0]]
+            out.append((name, start, start + n))
+            start += n
+        return out
+
+    def stored_names(self, hf_names: Iterable[str]) -> dict[str, list[str]]:
+        """Stored tensor name -> the logical tensors it holds (itself, or a fused linear's parts in row
+        order), for the logical names a source lists: the tensors a writer of this family's files writes."""
+        names = list(hf_names)
+        present = set(names)
+        groups: dict[str, list[str]] = {}
+        for name in names:
+            fused = self.fused_of(name)
+            if fused is None:
+                groups[name] = [name]
+            elif fused[0] not in groups:
+                parts = self.part_names(fused[0]) or []
+                missing = [p for p in parts if p not in present]
+                if missing:
+                    raise InputError(f"{fused[0]} is stored fused; its part {missing[0]} is missing")
+                groups[fused[0]] = parts
+        return groups
 
     @property
     def linears(self) -> tuple[str, ...]:
@@ -119,16 +192,21 @@ class Family:
         return tuple(name for stage in self.stages for name in stage.linears)
 
     def hf_to_gguf_name(self, hf_name: str) -> str | None:
-        """llama.cpp's name for an HF tensor, or None for tensors GGUF does not store."""
+        """llama.cpp's name for an HF tensor (a fused linear's part: the fused tensor's), or None for
+        tensors GGUF does not store."""
         if hf_name in GLOBAL_TENSORS:
             return GLOBAL_TENSORS[hf_name]
+        fused = self.fused_of(hf_name)
+        if fused is not None:
+            hf_name = fused[0]
         m = _HF_BLOCK.match(hf_name)
         if m and m.group(2) in self.block_tensors:
             return f"blk.{m.group(1)}.{self.block_tensors[m.group(2)]}"
         return None
 
     def gguf_to_hf_name(self, gguf_name: str) -> str | None:
-        """The HF name of a GGUF tensor, or None for GGUF-only tensors such as rope_freqs."""
+        """The HF name of a GGUF tensor (a fused linear's stored name), or None for GGUF-only tensors
+        such as rope_freqs."""
         if gguf_name in _GGUF_TO_HF_GLOBAL:
             return _GGUF_TO_HF_GLOBAL[gguf_name]
         m = _GGUF_BLOCK.match(gguf_name)
@@ -150,8 +228,8 @@ class Family:
 
     # ------------------------------------------------------------------------------ shapes
     def tensor_shapes(self, arch: ArchSpec, layer: int) -> list[tuple[str, str, tuple[int, ...], str]]:
-        """(HF name, GGUF name, HF-orientation shape, role) of every tensor of block `layer`, in
-        checkpoint order."""
+        """(HF name, GGUF name, HF-orientation shape, role) of every tensor of block `layer` as files
+        store it (a fused linear as one tensor), in checkpoint order."""
         h, hd = arch.hidden_size, arch.head_dim
         q, kv = arch.num_heads * hd, arch.num_kv_heads * hd
         block: list[tuple[str, tuple[int, ...], str]] = [
@@ -175,9 +253,21 @@ class Family:
                       ("block_sparse_moe.experts.*.w1.weight", (experts, f, h), EXPERT),
                       ("block_sparse_moe.experts.*.w3.weight", (experts, f, h), EXPERT),
                       ("block_sparse_moe.experts.*.w2.weight", (experts, h, f), EXPERT)]  # fmt: skip
+        for f in self.fused:  # one stored linear in place of its parts, rows stacked
+            first = next(i for i, b in enumerate(block) if b[0] == f"{f.parts[0]}.weight")
+            parts = [b for b in block if b[0].removesuffix(".weight") in f.parts]
+            block = [b for b in block if b not in parts]
+            block.insert(first, (f"{f.name}.weight", (sum(b[1][0] for b in parts), h), LINEAR))
         names = {**self.block_tensors, **MOE_TENSORS}
         return [(f"model.layers.{layer}.{suffix}", f"blk.{layer}.{names[suffix]}", shape, role)
                 for suffix, shape, role in block]
+
+
+def linear_rows(arch: ArchSpec) -> dict[str, int]:
+    """Output rows of each linear of the Llama block (what a fused linear's parts take)."""
+    q, kv, f = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.intermediate_size
+    return {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv, "self_attn.o_proj": arch.hidden_size,
+            "mlp.gate_proj": f, "mlp.up_proj": f, "mlp.down_proj": arch.hidden_size}
 
 
 def permute_for_gguf(t: torch.Tensor, n_heads: int) -> torch.Tensor:

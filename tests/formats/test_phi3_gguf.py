@@ -1,0 +1,103 @@
+"""Phi-3 in GGUF: the file we write stacks q/k/v into `attn_qkv` and gate/up into `ffn_up` as
+llama.cpp's converter does, llama.cpp runs it with our logits' top choices, its type map under a
+mix equals llama-quantize's, and GGUF -> HF -> GGUF keeps every tensor bit for bit."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from llmopt.api import convert_to_gguf, convert_to_hf
+from llmopt.formats.gguf.mixes import plan_shapes
+from llmopt.model import open_model
+from llmopt.model.arch import ArchSpec
+from llmopt.model.decoder import Decoder
+from llmopt.model.families import PHI3
+from llmopt.model.rope import attention_factor
+from tests.formats.gguf.llama_cpp_helpers import gguf_types, llama_dry_run_types, write_sparse_f16_gguf
+from tests.model.test_phi3 import HEAD_DIM, ids, make_tiny_phi3
+
+
+def _llama_cpp_logits(path, tokens: list[int], n_ctx: int = 128) -> torch.Tensor:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=n_ctx, logits_all=True, verbose=False, n_threads=2)
+    llm.eval(tokens)
+    return torch.tensor(np.asarray(llm.scores[: len(tokens)]))
+
+
+@pytest.mark.parametrize("longrope", [False, True], ids=["plain", "longrope"])
+def test_our_gguf_runs_in_llama_cpp_with_our_top1(tmp_path, longrope: bool) -> None:
+    """64 positions: llama.cpp's most likely next token on our F16 GGUF equals our decoder's. Under
+    longrope llama.cpp takes the short factors (n_ctx 128 is within the original 4096) and the
+    attention factor from rope.scaling.attn_factor, as transformers and we do."""
+    path = make_tiny_phi3(tmp_path / "phi3", longrope=longrope)
+    out = tmp_path / "phi3.gguf"
+    convert_to_gguf(path, out, "F16")
+    reader = gguf.GGUFReader(str(out))
+    names = {t.name for t in reader.tensors}
+    assert {"blk.0.attn_qkv.weight", "blk.1.ffn_up.weight"} <= names and "blk.0.attn_q.weight" not in names
+    assert ("rope_factors_long.weight" in names) == longrope
+    x = ids(64, seed=5)
+    with open_model(out) as src, torch.no_grad():
+        assert src.arch.family.name == "phi3" and (attention_factor(src.arch) > 1) == longrope
+        ours = Decoder.from_source(src)(x)[0]
+    theirs = _llama_cpp_logits(out, x[0].tolist())
+    diff = (theirs - ours).abs().max().item()
+    print(f"phi3 {'longrope' if longrope else 'plain'}: max |llama.cpp - llmopt| logit = {diff:.3g}")
+    top2 = ours.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 4 * diff  # positions no kernel's rounding can flip
+    assert diff < 1e-2 and int(clear.sum()) >= 60, (diff, int(clear.sum()))
+    assert torch.equal(theirs.argmax(-1), ours.argmax(-1))
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q2_K"])
+def test_written_type_map_equals_llama_quantize(tmp_path, mix: str) -> None:
+    """The types in our Q4_K_M / Q2_K file equal those llama.cpp's quantizer plans for our F16 file."""
+    path = make_tiny_phi3(tmp_path / "phi3")
+    f16, ours = tmp_path / "f16.gguf", tmp_path / f"{mix}.gguf"
+    convert_to_gguf(path, f16, "F16")
+    convert_to_gguf(path, ours, mix)
+    assert gguf_types(ours) == llama_dry_run_types(f16, mix)
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q2_K", "Q3_K_M", "Q5_K_M", "Q4_K_S"])
+def test_mix_rules_for_attn_qkv_match_llama_cpp_on_16_layers(tmp_path, mix: str) -> None:
+    """A Phi-3-mini-shaped file (3072 wide, head_dim 96, no GQA) of 16 layers, without data: the
+    attn_qkv and ffn_up rules and their per-layer counters against llama.cpp's dry run."""
+    arch = ArchSpec(family=PHI3, hidden_size=3072, num_layers=16, num_heads=32, num_kv_heads=32, head_dim=HEAD_DIM,
+                    intermediate_size=8192, vocab_size=512, max_position_embeddings=4096, rope_theta=1e4,
+                    rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False)  # fmt: skip
+    shapes = {"token_embd.weight": (512, 3072)}
+    for i in range(arch.num_layers):
+        shapes.update({gguf_name: shape for _, gguf_name, shape, _ in PHI3.tensor_shapes(arch, i)})
+    shapes.update({"output_norm.weight": (3072,), "output.weight": (512, 3072)})
+    assert shapes["blk.3.attn_qkv.weight"] == (3 * 3072, 3072) and shapes["blk.3.ffn_up.weight"] == (2 * 8192, 3072)
+    path = write_sparse_f16_gguf(tmp_path / "phi3.gguf", shapes, arch="phi3", hidden=3072, ffn=8192, layers=16,
+                                 heads=32, kv_heads=32)  # fmt: skip
+    assert plan_shapes(shapes, mix, arch) == llama_dry_run_types(path, mix)
+
+
+def test_gguf_to_hf_to_gguf_keeps_every_tensor(tmp_path) -> None:
+    """F16 GGUF -> HF (fused qkv_proj / gate_up_proj again) -> F16 GGUF: the same tensors, bit for bit;
+    the HF directory loads in transformers with our logits."""
+    path = make_tiny_phi3(tmp_path / "phi3", longrope=True)
+    first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    convert_to_gguf(path, first, "F16")
+    convert_to_hf(first, tmp_path / "hf", dtype="float32")  # F32 norms stay exact
+    convert_to_gguf(tmp_path / "hf", second, "F16")
+    a, b = gguf.GGUFReader(str(first)), gguf.GGUFReader(str(second))
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    for ta, tb in zip(a.tensors, b.tensors):
+        assert ta.tensor_type == tb.tensor_type and np.array_equal(np.asarray(ta.data), np.asarray(tb.data)), ta.name
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(ref).__name__ == "Phi3ForCausalLM"
+    assert ref.model.layers[0].self_attn.qkv_proj.weight.shape[0] == 3 * ref.config.hidden_size
+    x = ids(32)
+    with open_model(tmp_path / "hf") as src, torch.no_grad():
+        assert src.arch.rope_scaling["rope_type"] == "longrope"
+        diff = (Decoder.from_source(src)(x) - ref(x).logits).abs().max().item()
+    assert diff < 1e-4, diff

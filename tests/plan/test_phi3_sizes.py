@@ -1,0 +1,37 @@
+"""`recommend` on Phi-3: sizes from the fused tensors (one attn_qkv, an ffn_up twice as tall, the
+longrope factor tensors) against the file llama.cpp's quantizer writes."""
+
+from __future__ import annotations
+
+from llmopt.api import convert_to_gguf, recommend
+from llmopt.plan.models import from_preset
+from llmopt.plan.presets import get_preset
+from tests.formats.gguf.llama_cpp_helpers import llama_quantize
+from tests.model.test_phi3 import make_tiny_phi3
+
+
+def _q4_k_m(model: str):  # noqa: ANN202 - a recommend Row
+    return next(r for r in recommend(mem=8, model=model)["rows"] if r.format == "Q4_K_M")
+
+
+def test_recommend_gives_the_size_llama_cpp_writes_for_q4_k_m(tmp_path) -> None:
+    """From our F16 GGUF (metadata measured) the whole file to the byte; from the HF directory
+    (config only: metadata estimated from the vocabulary) the same tensor bytes."""
+    hf = make_tiny_phi3(tmp_path / "phi3", longrope=True)
+    f16 = tmp_path / "f16.gguf"
+    convert_to_gguf(hf, f16, "F16")
+    written = llama_quantize(f16, tmp_path / "q4_k_m.gguf", "Q4_K_M", nthread=2).stat().st_size
+    from_gguf, from_hf = _q4_k_m(str(f16)), _q4_k_m(str(hf))
+    print(f"phi3 Q4_K_M: llama.cpp {written:,} B, recommend (GGUF) {from_gguf.file_bytes:,} B, "
+          f"recommend (HF dir) {from_hf.file_bytes:,} B")
+    assert from_gguf.file_bytes == written
+    assert from_hf.weights_bytes == from_gguf.weights_bytes
+    assert abs(from_hf.file_bytes - written) / written < 0.01
+
+
+def test_phi3_mini_preset_counts_fused_tensors_once() -> None:
+    """microsoft/Phi-3-mini-4k-instruct's "3.8B": 32 x (3·3072² qkv + 3072² o + 2·8192·3072 gate_up +
+    8192·3072 down + 2·3072 norms) + 2 · 32064·3072 (untied) + 3072 = 3,821,079,552."""
+    model = from_preset(get_preset("phi-3-mini"))
+    assert model.parameters == 3_821_079_552
+    assert "blk.0.attn_qkv.weight" in {t.gguf_name for t in model.tensors}

@@ -87,11 +87,12 @@ class ActivationStats(HessianAccumulator):
 def search_grid(grid: Grid) -> Grid:
     """The grid the searches round onto: the integer grid without its own clipping search (AWQ's
     clip search replaces it, and it would cost its 80 candidates inside each of AWQ's 30), or for a
-    GGUF type an integer grid of its bits, symmetry and sub-block size (its reference search is slow)."""
+    GGUF type an integer grid of its bits, symmetry and sub-block size (its reference search is slow).
+    Grids whose codes are the levels themselves (IQ4, FP4: 8-bit codes) index 4-bit levels: `index_bits`."""
     if isinstance(grid, IntGrid):
         return dataclasses.replace(grid, mse=False)
     probe = grid.quantize(torch.linspace(-1, 1, grid.block).view(1, -1))
-    return IntGrid(grid.bits, probe.mins is None, probe.group_size)
+    return IntGrid(getattr(grid, "index_bits", grid.bits), probe.mins is None, probe.group_size)
 
 
 def fake_quantize(grid: Grid, w: torch.Tensor) -> torch.Tensor:

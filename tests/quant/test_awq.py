@@ -92,3 +92,14 @@ def test_awq_beats_round_to_nearest_on_the_same_grid(tmp_path) -> None:
         rtn = (logits(QuantizeSpec(RTNConfig(3, 32, False))) - reference).pow(2).mean()
         awq = (logits(QuantizeSpec(AWQConfig(3, 32))) - reference).pow(2).mean()
     assert awq < 0.9 * rtn, (float(awq), float(rtn))
+
+
+@pytest.mark.parametrize("type_name, bits", [("Q4_K", 4), ("Q6_K", 6), ("Q8_0", 8), ("IQ4_NL", 4), ("IQ4_XS", 4),
+                                             ("MXFP4", 4), ("NVFP4", 4), ("TQ2_0", 2)])  # fmt: skip
+def test_search_grid_stands_in_with_the_levels_bits(type_name, bits):
+    """AWQ searches onto an integer grid as fine as the type's levels: IQ4 and FP4 store 8-bit codes
+    (the level values) but index 16 levels, so their stand-in has 4 bits, not 8."""
+    from llmopt.quant.awq import search_grid
+    from llmopt.quant.grids import gguf_grid
+
+    assert search_grid(gguf_grid(type_name)).bits == bits

@@ -116,6 +116,7 @@ class NVFP4Grid(BlockGrid):
     name: str = "NVFP4"
     block: int = 64
     bits: int = 8  # codes are values + 128; 4 bits an index in the file
+    index_bits: int = 4  # what an integer stand-in for this grid needs (AWQ's searches)
     sub: int = 16
 
     def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -144,6 +145,7 @@ class MXFP4Grid(BlockGrid):
     name: str = "MXFP4"
     block: int = QK
     bits: int = 8  # codes are values + 128; 4 bits an index in the file
+    index_bits: int = 4  # what an integer stand-in for this grid needs (AWQ's searches)
 
     def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         rows = w.shape[0]

@@ -137,6 +137,7 @@ class IQ4Grid(BlockGrid):
     name: str
     block: int
     bits: int = 8  # codes are levels + 128 (see the module docstring); 4 bits an index in the file
+    index_bits: int = 4  # what an integer stand-in for this grid needs (AWQ's searches)
     levels: Levels = IQ4_LEVELS
 
     def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

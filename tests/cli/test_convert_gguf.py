@@ -42,6 +42,8 @@ def test_dry_run_table(llmopt_here, wide_hf: Path) -> None:  # noqa: F811
     (["--type", "Q4_K_XL", "--dry-run"], "unknown GGUF type"),
     (["--type", "Q4_K_M", "--tensor-type", "attn_v", "--dry-run"], "REGEX=TYPE"),
     (["--type", "Q4_K_M", "--tensor-type", "attn_v=Q9_9", "--dry-run"], "unknown GGML type"),
+    (["--type", "Q4_K_M", "--tensor-type", "attn_v=IQ2_XS", "--dry-run"], "llmopt does not write IQ2_XS"),
+    (["--type", "Q4_K_M", "--output-tensor-type", "Q8_1", "--dry-run"], "llmopt does not write Q8_1"),
     (["--type", "Q4_K_M"], "--output"),
     (["--type", "Q4_K_M", "--imatrix", "/nonexistent/im.gguf", "--dry-run"], "no such file"),
     (["--type", "Q4_K_M", "--method", "rtn", "-o", "/tmp/never.gguf"], "GGUF files take gptq, awq or awq+gptq"),

@@ -19,7 +19,7 @@ import re
 from collections.abc import Sequence
 
 from llmopt.errors import InputError, OptionError
-from llmopt.formats.gguf.types import block_geometry, ggml_info, is_quantized
+from llmopt.formats.gguf.types import block_geometry, is_quantized, writable_type
 from llmopt.model.arch import ArchSpec
 
 MIXES: tuple[str, ...] = (
@@ -178,7 +178,7 @@ def _compile_overrides(overrides: Sequence[tuple[str, str]]) -> list[tuple[re.Pa
     compiled = []
     for pattern, type_name in overrides:
         try:
-            compiled.append((re.compile(pattern), ggml_info(type_name).name))
+            compiled.append((re.compile(pattern), writable_type(type_name, "tensor_types")))
         except re.error as e:
             raise OptionError(f"bad <tensor_types> regex {pattern!r}: {e}") from None
     return compiled
@@ -204,7 +204,7 @@ def tensor_type(
     """
     mix = check_mix(mix)
     tied = arch.tie_word_embeddings if tied_embeddings is None else tied_embeddings
-    ott = ggml_info(output_tensor_type).name if output_tensor_type is not None else None
+    ott = writable_type(output_tensor_type, "output_tensor_type") if output_tensor_type is not None else None
     return _choose(gguf_name, shape, category(gguf_name), allows_quantization(gguf_name, shape), mix, arch,
                    _compile_overrides(overrides), has_imatrix, ott, tied, counter)  # fmt: skip
 
@@ -253,7 +253,7 @@ def plan_shapes(
     """`tensor_type` for every (gguf name -> HF shape), with llama.cpp's running counters."""
     mix = check_mix(mix)
     compiled = _compile_overrides(overrides)
-    ott = ggml_info(output_tensor_type).name if output_tensor_type is not None else None
+    ott = writable_type(output_tensor_type, "output_tensor_type") if output_tensor_type is not None else None
     tied = "output.weight" not in shapes
     quantized_default = is_quantized(DEFAULT_TYPE[mix])
     counters = {"attn_v": 0, "ffn_down": 0}

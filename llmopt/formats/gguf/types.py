@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from llmopt.errors import InputError
+from llmopt.errors import InputError, OptionError
 from llmopt.model.ggml_types import GGML_TYPES, GGMLType
 
 if TYPE_CHECKING:
@@ -35,6 +35,15 @@ def ggml_info(type_name: str) -> GGMLType:
         return GGML_TYPES[type_name.upper()]
     except KeyError:
         raise InputError(f"unknown GGML type {type_name!r}; llmopt writes: {', '.join(WRITABLE_TYPES)}") from None
+
+
+def writable_type(type_name: str, option: str) -> str:
+    """The canonical name of a type asked for by `option` (`tensor_types`, `output_tensor_type`), which
+    must be one llmopt writes: a plan (and `--dry-run`) never promises a tensor the writer refuses."""
+    name = ggml_info(type_name).name
+    if name not in WRITABLE_TYPES:
+        raise OptionError(f"<{option}> {type_name}: llmopt does not write {name} tensors; it writes {', '.join(WRITABLE_TYPES)}")
+    return name
 
 
 def ggml_type(type_name: str) -> GGMLQuantizationType:

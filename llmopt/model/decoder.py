@@ -26,11 +26,12 @@ from llmopt.model.source import ModelSource
 @dataclass
 class AttentionGroup:
     """Sequences of a packed forward that attend together, padded to one shape: B sequences,
-    up to t queries each, over up to s cached keys each."""
+    up to t queries each, over the keys of up to n cache blocks each (s = n * block_size)."""
 
     queries: torch.Tensor  # [B, t] indices into the packed token axis (padding repeats a valid one)
     valid: torch.Tensor  # [B, t] bool: which of them are real
-    keys: torch.Tensor  # [B, s] cache slots of each sequence's keys, oldest first (padding: any slot)
+    blocks: torch.Tensor  # [B, n] each sequence's cache blocks, oldest first (padding: any block)
+    block_size: int
     mask: torch.Tensor  # [B, 1, t, s] bool: which keys each query may see
 
 
@@ -138,13 +139,24 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 def packed_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, packed: Packed) -> torch.Tensor:
     """Attention for a packed batch: q [1, heads, T, d]; k_slots, v_slots [kv_heads, slots, d] (the
-    whole cache layer). Each group gathers its sequences' queries and keys into one padded batch."""
-    out = torch.empty_like(q)
+    whole cache layer). Each group gathers its sequences' queries and key blocks into one padded
+    batch (`index_select` of whole blocks: several times faster on CPU than indexing slot by slot)."""
+    out = torch.empty_like(q[0])
+    h, _, d = out.shape
     for g in packed.groups:
-        o = attend(q[0][:, g.queries].transpose(0, 1), k_slots[:, g.keys].transpose(0, 1),
-                   v_slots[:, g.keys].transpose(0, 1), g.mask)  # [B, heads, t, d]
-        out[0][:, g.queries[g.valid]] = o.transpose(0, 1)[:, g.valid]
-    return out
+        b, t = g.queries.shape
+        qg = q[0].index_select(1, g.queries.flatten()).view(h, b, t, d).transpose(0, 1)
+        o = attend(qg, gather_blocks(k_slots, g), gather_blocks(v_slots, g), g.mask)  # [B, heads, t, d]
+        out.index_copy_(1, g.queries[g.valid], o.transpose(0, 1)[:, g.valid])
+    return out[None]
+
+
+def gather_blocks(slots: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+    """[kv_heads, slots, d] -> [B, kv_heads, n * block_size, d]: each sequence's keys (or values) in order."""
+    kv, _, d = slots.shape
+    b, n = g.blocks.shape
+    blocks = slots.view(kv, -1, g.block_size, d).index_select(1, g.blocks.flatten())
+    return blocks.view(kv, b, n * g.block_size, d).transpose(0, 1)
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -145,20 +145,22 @@ def pack(pool: BlockPool, chunks: list[tuple[list[int], int, int]], window: int 
 
 def _group(pool: BlockPool, chunks: list[tuple[list[int], int, int]], offsets: list[int], window: int | None,
            device: torch.device | str) -> AttentionGroup:
+    bs = pool.block_size
     t = max(n for _, _, n in chunks)
-    s = max(start + n for _, start, n in chunks)
+    nb = max(-(-(start + n) // bs) for _, start, n in chunks)
     queries = torch.zeros(len(chunks), t, dtype=torch.long)
     valid = torch.zeros(len(chunks), t, dtype=torch.bool)
-    keys = torch.zeros(len(chunks), s, dtype=torch.long)  # padding keys read slot 0, masked out
+    table = torch.zeros(len(chunks), nb, dtype=torch.long)  # padding blocks: block 0, masked out
     q_pos = torch.zeros(len(chunks), t, dtype=torch.long)  # padding queries sit at position 0: they see one key
     for b, ((blocks, start, n), off) in enumerate(zip(chunks, offsets)):
+        used = -(-(start + n) // bs)
         queries[b] = off
         queries[b, :n] = torch.arange(off, off + n)
         valid[b, :n] = True
-        keys[b, :start + n] = pool.slots(blocks, 0, start + n)
+        table[b, :used] = torch.tensor(blocks[:used])
         q_pos[b, :n] = torch.arange(start, start + n)
-    k_pos = torch.arange(s)[None, None, :]
+    k_pos = torch.arange(nb * bs)[None, None, :]
     mask = k_pos <= q_pos[:, :, None]
     if window is not None:
         mask &= k_pos > q_pos[:, :, None] - window
-    return AttentionGroup(queries.to(device), valid.to(device), keys.to(device), mask[:, None].to(device))
+    return AttentionGroup(queries.to(device), valid.to(device), table.to(device), bs, mask[:, None].to(device))

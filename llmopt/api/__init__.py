@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from llmopt.api.bench import bench
     from llmopt.api.convert import convert_to_gguf, convert_to_hf, plan_gguf_file
     from llmopt.api.evaluate import evaluate, evaluate_files
-    from llmopt.api.generate import generate, load
+    from llmopt.api.generate import generate, generate_batch, load, read_prompts
     from llmopt.api.imatrix import imatrix
     from llmopt.api.inspect import inspect
     from llmopt.api.quantize import QuantizeResult, quantize
@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 # (`quantize` in llmopt/api/quantize.py), and importing a submodule sets the package's attribute to
 # the module, so the package's attribute lookup itself answers these names with the function.
 _WHERE = {"QuantizeResult": "quantize", "bench": "bench", "convert_to_gguf": "convert", "convert_to_hf": "convert", "evaluate": "evaluate",
-          "evaluate_files": "evaluate", "generate": "generate", "load": "generate", "imatrix": "imatrix",
+          "evaluate_files": "evaluate", "generate": "generate", "generate_batch": "generate", "load": "generate",
+          "read_prompts": "generate", "imatrix": "imatrix",
           "inspect": "inspect", "plan_gguf_file": "convert", "quantize": "quantize", "recommend": "recommend",
           "merge_manifests": "run", "plan_recipe": "run", "run_recipe": "run"}  # fmt: skip
 __all__ = sorted(_WHERE)

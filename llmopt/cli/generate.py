@@ -145,4 +145,4 @@ def generate_many(model: str, prompts: Path, output: Path | None, opts, options:
     else:
         err.print(f"[dim]{summary['requests']} requests | prompt {prompt_tok} tok ({cached} from the prefix cache) | "
                   f"generated {generated} tok | {batch.seconds:.1f} s | {summary['tokens_per_s']:.1f} tok/s | "
-                  f"{batch.forwards} forwards | {batch.preemptions} preemptions[/]")
+                  f"{batch.forwards} forwards | {batch.preemptions} preemptions[/]", soft_wrap=True)

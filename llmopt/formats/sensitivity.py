@@ -45,16 +45,17 @@ def measure(source: ModelSource, names: Mapping[str, str], options: Mapping[str,
     """The cost table of `names` (table name -> HF tensor name) over calibration `samples` [n, t]:
     one Fisher pass, then each tensor rounded (`rounded(option, weight, importance)`) to each of its
     `options`. `importance` (table name -> vector) replaces the imatrix this pass measures."""
-    fisher = fisher_diagonal(source, samples, list(names.values()), seed=seed, device=device,
+    # a fused tensor (Phi-3's attn_qkv) is its parts' rows: their diagonals stacked, their one input's importance
+    parts = {hf: (source.arch.family.part_names(hf) if hf not in source.tensors else None) or [hf] for hf in names.values()}
+    fisher = fisher_diagonal(source, samples, [p for group in parts.values() for p in group], seed=seed, device=device,
                              on_sample=None if on_step is None else lambda i, n: on_step("fisher", i, n))  # fmt: skip
-    by_hf = {hf: name for name, hf in names.items()}
     result = Sensitivities(key=key)
-    result.importance = {by_hf[hf]: v for hf, v in fisher.importance.items() if hf in by_hf}
+    result.importance = {name: fisher.importance[parts[hf][0]] for name, hf in names.items() if parts[hf][0] in fisher.importance}
     weights = result.importance if importance is None else importance
     for done, (name, hf_name) in enumerate(names.items()):
-        weight = source.load(hf_name, dtype=torch.float32)
+        weight = source.load_stored(hf_name, dtype=torch.float32)
         weight = weight.reshape(-1, weight.shape[-1])
-        diag = fisher.diagonal.pop(hf_name).reshape(weight.shape)
+        diag = torch.cat([fisher.diagonal.pop(p).reshape(-1, weight.shape[-1]) for p in parts[hf_name]]).reshape(weight.shape)
         result.options[name] = list(options[name])
         result.cost[name] = [predicted_kld(diag, weight, rounded(o, weight, weights.get(name))) for o in options[name]]
         source.release_pages()

@@ -101,3 +101,23 @@ def test_gguf_to_hf_to_gguf_keeps_every_tensor(tmp_path) -> None:
         assert src.arch.rope_scaling["rope_type"] == "longrope"
         diff = (Decoder.from_source(src)(x) - ref(x).logits).abs().max().item()
     assert diff < 1e-4, diff
+
+
+def test_automatic_mix_prices_each_fused_tensor_whole(tmp_path) -> None:
+    """--target-bpw on Phi-3: attn_qkv and ffn_up are priced as the stored tensors (their parts' Fisher
+    diagonals stacked), get one type each, and the file meets the budget."""
+    from tests.factories import CORPUS
+
+    path = make_tiny_phi3(tmp_path / "phi3", heads=4)
+    calib = tmp_path / "c.txt"
+    calib.write_text(CORPUS)
+    out = tmp_path / "auto.gguf"
+    convert_to_gguf(path, out, target_bpw=5.0, calib=str(calib), sensitivity_samples=2, nsamples=2, seqlen=32)
+    reader = gguf.GGUFReader(str(out))
+    params = sum(int(np.prod(t.shape)) for t in reader.tensors)
+    assert (out.stat().st_size - reader.data_offset) * 8 <= 5.0 * params  # the tensors within the budget
+    types = gguf_types(out)
+    assert "blk.0.attn_qkv.weight" in types and "blk.0.attn_q.weight" not in types
+    assert len(set(types.values()) - {"F32"}) >= 2, types  # a mix, not one type
+    with open_model(out) as q:
+        assert torch.isfinite(Decoder.from_source(q)(ids(8))).all()

@@ -20,8 +20,9 @@ from llmopt.runtime.weights import LoadedModel, load_model
 
 def load(model: str | Path, *, dtype: str = "auto", device: str = "auto", packed: bool = True) -> LoadedModel:
     """The runtime model of `model`: an HF directory (float or GPTQ), a GGUF file or a hub id.
-    `dtype` auto is float32 on CPU and bfloat16 on CUDA; `packed` keeps GPTQ 4-bit layers packed on
-    CPU (int4 kernel) instead of dequantizing them."""
+    `dtype` auto is float32 on CPU and bfloat16 on CUDA; `packed` keeps GPTQ 4-bit layers packed and
+    GGUF weights in their quantized form on CPU (memory about the file's size; runtime/gguf_linear.py)
+    instead of dequantizing them to `dtype`."""
     return load_model(str(model), dtype, device, packed)
 
 

@@ -1,7 +1,8 @@
 """Weight providers: from whatever llmopt can read (HF dirs, GGUF of any type) to a ready `Decoder`.
 
-Float checkpoints load as they are; GGUF tensors are dequantized one at a time by the source, so
-peak memory is the model in the runtime dtype plus one tensor.
+Float checkpoints load as they are. GGUF weights stay in their quantized form on CPU (gguf_linear.py):
+memory is about the file's size. Dequantized instead (`packed=False`, or off CPU), they are read one
+tensor at a time, so peak memory is the model in the runtime dtype plus one tensor.
 """
 
 from __future__ import annotations
@@ -9,13 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from llmopt.device import resolve_device
 from llmopt.errors import InputError, OptionError
 from llmopt.model import ModelSource, TokenizerInfo, open_model
 from llmopt.model.decoder import Decoder, Rotary, hf_to_param_name
+from llmopt.model.gguf_file import GGUFSource
 from llmopt.model.quantized_dir import PackedDirSource
 from llmopt.runtime.arena import pack_contiguously
+from llmopt.runtime.gguf_linear import RawGGUFEmbedding, kept_quantized, quantized_linear, raw_rows
 from llmopt.runtime.int4 import PackedInt4Linear, packable
 from llmopt.runtime.row_major import use_row_major_linears
 from llmopt.quantized_tensor import QuantizedTensor
@@ -53,12 +57,15 @@ def load_model(spec: str, dtype: str = "auto", device: str = "auto", packed: boo
 
 
 def build_decoder(source: ModelSource, dtype: torch.dtype, device: torch.device, packed: bool = True) -> Decoder:
-    """Float and GGUF sources: dequantized into the dtype. GPTQ and AWQ: 4-bit layers stay packed where the
+    """Float sources: in the dtype. GGUF on CPU with `packed`: weights stay quantized (gguf_linear.py);
+    otherwise dequantized into the dtype. GPTQ and AWQ: 4-bit layers stay packed where the
     int4 kernel applies (`packed`), the rest is dequantized layer by layer. On CPU, float linears
     take the row-major layout that streams weights fastest (see row_major.py), and the weights then
     move into one contiguous block (arena.py)."""
     if isinstance(source, PackedDirSource):
         model = _packed_decoder(source, dtype, device, packed)
+    elif packed and isinstance(source, GGUFSource) and device.type == "cpu":
+        model = _gguf_decoder(source, dtype)
     elif source.quantization_config:
         method = source.quantization_config.get("quant_method", "quantized")
         raise InputError(f"{source.path}: {method} checkpoints are not supported by the runtime")
@@ -66,7 +73,8 @@ def build_decoder(source: ModelSource, dtype: torch.dtype, device: torch.device,
         model = Decoder.from_source(source, dtype, device)
     if device.type != "cpu":
         return model
-    model = use_row_major_linears(model)
+    if isinstance(model.lm_head, nn.Linear) and isinstance(model.embed_tokens, nn.Embedding):
+        model = use_row_major_linears(model)  # it shares a tied head's float weight with the lookup
     pack_contiguously(model)
     return model
 
@@ -89,13 +97,45 @@ def _packed_decoder(source: PackedDirSource, dtype: torch.dtype, device: torch.d
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state, strict=False, assign=True)
     for path, qt in kept.items():
-        parent, _, child = path.rpartition(".")
-        old = model.get_submodule(path)
-        setattr(model.get_submodule(parent) if parent else model, child, PackedInt4Linear(qt, old.bias))
-    left = [n for n, p in model.named_parameters() if p.is_meta]
+        _replace(model, path, PackedInt4Linear.from_quantized(qt, model.get_submodule(path).bias))
+    return _finished(model, source, device)
+
+
+def _gguf_decoder(source: GGUFSource, dtype: torch.dtype) -> Decoder:
+    """CPU: every quantized (or F16) 2-D weight becomes a module holding it in that form; norms,
+    biases and F32 tensors load as floats. One tensor is copied out of the file's map at a time."""
+    with torch.device("meta"):
+        model = Decoder(source.arch)
+    kept = [n for n in source.tensors if kept_quantized(source, n)]
+    state = {hf_to_param_name(n): source.load(n, dtype=torch.float32).to(dtype) for n in source.tensors if n not in kept}
+    model.load_state_dict(state, strict=False, assign=True)
+    if "lm_head.weight" not in source.tensors and "model.embed_tokens.weight" not in kept:
+        model.lm_head.weight = model.embed_tokens.weight  # tied, float
+    for name in kept:
+        qtype, data = raw_rows(source, name)
+        path = hf_to_param_name(name).removesuffix(".weight")
+        if path == "embed_tokens":
+            _replace(model, path, RawGGUFEmbedding(qtype, data, dtype))
+            if "lm_head.weight" not in source.tensors:  # tied: the head reads the same blocks
+                _replace(model, "lm_head", quantized_linear(qtype, data, None, dtype))
+        else:
+            _replace(model, path, quantized_linear(qtype, data, model.get_submodule(path).bias, dtype))
+        del data
+        source.release_pages()  # copied out: the file's pages need not stay resident
+    return _finished(model, source, torch.device("cpu"))
+
+
+def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, child = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def _finished(model: Decoder, source: ModelSource, device: torch.device) -> Decoder:
+    """Add the rotary tables; refuse a model with tensors left unloaded."""
+    model.rotary = Rotary(model.arch).to(device)
+    left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
     if left:
         raise InputError(f"{source.path}: missing tensors {left[:3]}{' ...' if len(left) > 3 else ''}")
-    model.rotary = Rotary(arch).to(device)
     return model.eval()
 
 

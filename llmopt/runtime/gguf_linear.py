@@ -1,0 +1,226 @@
+"""GGUF weights kept in their quantized form in memory (CPU), instead of dequantized to the compute dtype.
+
+Each 2-D weight of a quantized (or F16) type takes one of these paths:
+
+* Q4_0, Q4_1, Q4_K in a bfloat16 model -> `PackedInt4Linear` (torch's int4 kernel). All three are 4-bit
+  codes with one scale and one offset per 32 inputs: Q4_0 W = (q - 8) d, Q4_1 W = d q + m, Q4_K
+  W = (d sc) q - dmin m. The kernel holds its scale/offset pairs in bfloat16, which rounds d (float16,
+  11-bit mantissa) and d sc (up to 17 bits) to 8 bits: close, not exact (see docs/generate.md).
+* the same types in a float32 model -> `Nibble4Linear`: the nibbles and the blocks' own scale fields,
+  W rebuilt one tile of rows at a time with gguf's arithmetic (exact).
+* Q8_0 -> `Int8GroupLinear`: int8 codes and float16 scales, rebuilt per tile (exact).
+* every other type -> `RawGGUFLinear`: the file's block bytes, dequantized by `gguf.quants.dequantize`
+  (the reader's one definition) one tile of rows at a time inside forward (exact, slow).
+
+Embeddings keep the block bytes and dequantize only the looked-up rows. Peak memory is the
+quantized weights plus one tile of float rows (TILE_BYTES).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+from torch import nn
+from torch.nn import functional as F
+
+from llmopt.model.families.base import unpermute_from_gguf
+from llmopt.model.gguf_file import GGUFSource
+from llmopt.runtime.int4 import KERNEL_DTYPE, PackedInt4Linear, kernel_shape_ok
+
+Q = GGMLQuantizationType
+# Float weights rebuilt per tile of rows, about this many bytes: small enough to stay in cache while the
+# product reads it. SmolLM2's LM head (49152 x 576, Q8_0, 1 thread, loaded machine): 377 ms a token
+# rebuilt whole, 30 ms in 512-row tiles, 19 ms as a float32 weight.
+TILE_BYTES = 1 << 20
+INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+DENSE_TYPES = (Q.F32, Q.BF16)  # loaded as ordinary float weights
+
+
+def raw_rows(source: GGUFSource, name: str) -> tuple[GGMLQuantizationType, torch.Tensor]:
+    """The stored type and block bytes [rows, bytes per row] of 2-D tensor `name`, copied out of the
+    file's map, rows in HF order (a fused tensor's part sliced, llama.cpp's Q/K permutation undone)."""
+    stored, rows = source.stored_rows(name)
+    info = source.tensors[name] if rows is None else source.fused_tensors[stored]
+    raw = source._by_stored[info.stored_name]
+    data = torch.from_numpy(np.array(raw.data).view(np.uint8).reshape(info.shape[0], -1))
+    if rows is not None:
+        data = data[rows]
+    heads = source.arch.family.qk_heads(name, source.arch.num_heads, source.arch.num_kv_heads)
+    if heads is not None:
+        data = unpermute_from_gguf(data, heads)
+    return raw.tensor_type, data.contiguous()
+
+
+def dequantize_rows(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> torch.Tensor:
+    """Float32 rows of block bytes [rows, bytes per row] (gguf's reference dequantizer)."""
+    return torch.from_numpy(dequantize(blocks.numpy(), qtype))
+
+
+def _half(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 field at byte `at` of each block [n, size] -> float32 [n]."""
+    return blocks[:, at:at + 2].contiguous().view(torch.float16).reshape(-1).float()
+
+
+def _nibbles(qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return qs & 0xF, qs >> 4
+
+
+def _k4_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's 12 bytes -> 8 six-bit sub-block scales and mins [n, 8] (ggml-quants.c get_scale_min_k4)."""
+    q = packed.to(torch.int32)
+    sc = torch.cat([q[:, 0:4] & 63, (q[:, 8:12] & 0xF) | ((q[:, 0:4] >> 6) << 4)], dim=1)
+    m = torch.cat([q[:, 4:8] & 63, (q[:, 8:12] >> 4) | ((q[:, 4:8] >> 6) << 4)], dim=1)
+    return sc, m
+
+
+def _k4_fields(data: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q4_K block bytes [out, bytes per row] -> nibble codes [out, in] in input order, d and dmin
+    [out, in / 256] (float16) and the six-bit sub-block scales and mins [out, in / 32]."""
+    out = data.shape[0]
+    b = data.reshape(-1, 144)
+    sc, m = _k4_scales_mins(b[:, 4:16])
+    lo, hi = _nibbles(b[:, 16:].reshape(-1, 4, 32))  # 64 values per 32 bytes: low nibbles first
+    codes = torch.stack([lo, hi], dim=2).reshape(out, -1)
+    d, dmin = (b[:, at:at + 2].contiguous().view(torch.float16).reshape(out, -1) for at in (0, 2))
+    return codes, d, dmin, sc.reshape(out, -1), m.reshape(out, -1)
+
+
+def int4_parts(qtype: GGMLQuantizationType, data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0/Q4_1/Q4_K block bytes [out, bytes per row] -> codes [out, in] (0..15) and float32 scales and
+    offsets [out, in / 32] with W = (codes - 8) * scale + offset (the int4 kernel's form)."""
+    out = data.shape[0]
+    if qtype == Q.Q4_K:
+        codes, d, dmin, sc, m = _k4_fields(data)
+        scales = d.float().repeat_interleave(8, dim=1) * sc
+        offsets = 8 * scales - dmin.float().repeat_interleave(8, dim=1) * m
+    else:
+        size = 18 if qtype == Q.Q4_0 else 20
+        b = data.reshape(-1, size)
+        codes = torch.cat(_nibbles(b[:, size - 16:]), dim=1).reshape(out, -1)
+        scales = _half(b, 0)
+        offsets = torch.zeros_like(scales) if qtype == Q.Q4_0 else _half(b, 2) + 8 * scales
+    return codes, scales.reshape(out, -1), offsets.reshape(out, -1)
+
+
+def tiled_linear(x: torch.Tensor, out_features: int, in_features: int, rows_of: Callable[[int, int], torch.Tensor],
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ b), with W's rows [start, stop) rebuilt by `rows_of` one tile at a time."""
+    step = max(16, TILE_BYTES // (4 * in_features))
+    y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
+    for start in range(0, out_features, step):
+        stop = min(start + step, out_features)
+        y[..., start:stop] = F.linear(x, rows_of(start, stop).to(x.dtype))
+    return y if bias is None else y + bias.to(x.dtype)
+
+
+class Nibble4Linear(nn.Module):
+    """Q4_0/Q4_1/Q4_K: W = q * (a * a_mult) - b * b_mult per 32 inputs, with q two nibbles a byte
+    (inputs k and k + 16 of a group), float16 a and b per `per` groups, and small integer multipliers
+    per group: Q4_0 a = d, b = d * 8; Q4_1 a = d, b = -m; Q4_K a = d * sc, b = dmin * m. The products
+    and the difference are gguf's own, so the float32 weights are the reference dequantizer's."""
+
+    def __init__(self, qtype: GGMLQuantizationType, data: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        out = data.shape[0]
+        if qtype == Q.Q4_K:
+            codes, a, b, a_mult, b_mult = _k4_fields(data)
+        else:
+            size = 18 if qtype == Q.Q4_0 else 20
+            blocks = data.reshape(-1, size)
+            codes = torch.cat(_nibbles(blocks[:, size - 16:]), dim=1).reshape(out, -1)
+            a = blocks[:, 0:2].contiguous().view(torch.float16).reshape(out, -1)
+            b = a if qtype == Q.Q4_0 else -blocks[:, 2:4].contiguous().view(torch.float16).reshape(out, -1)
+            a_mult = torch.ones_like(a, dtype=torch.uint8)
+            b_mult = torch.full_like(a_mult, 8 if qtype == Q.Q4_0 else 1)
+        q = codes.reshape(out, -1, 2, 16)
+        self.register_buffer("codes", (q[:, :, 0] | (q[:, :, 1] << 4)).to(torch.uint8).contiguous())  # [out, G, 16]
+        self.register_buffer("a", a.contiguous())
+        self.register_buffer("b", b.contiguous())
+        self.register_buffer("a_mult", a_mult.to(torch.uint8).contiguous())
+        self.register_buffer("b_mult", b_mult.to(torch.uint8).contiguous())
+        self.per = a_mult.shape[1] // a.shape[1]
+        self.out_features, self.in_features = out, a_mult.shape[1] * 32
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Float32 rows [start, stop) of W."""
+        p = self.codes[start:stop]
+        q = torch.cat([p & 0xF, p >> 4], dim=-1).float()  # [r, G, 32]
+        a = self.a[start:stop].float().repeat_interleave(self.per, dim=1) * self.a_mult[start:stop]
+        b = self.b[start:stop].float().repeat_interleave(self.per, dim=1) * self.b_mult[start:stop]
+        return (q * a[..., None] - b[..., None]).reshape(stop - start, -1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tiled_linear(x, self.out_features, self.in_features, self.rows, self.bias)
+
+
+class Int8GroupLinear(nn.Module):
+    """Q8_0: int8 codes [out, in] and a float16 scale per 32 inputs; W = q * d, exact in float32."""
+
+    def __init__(self, data: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        b = data.reshape(-1, 34)
+        self.out_features = data.shape[0]
+        self.register_buffer("codes", b[:, 2:].contiguous().view(torch.int8).reshape(self.out_features, -1, 32))
+        self.register_buffer("scales", b[:, :2].contiguous().view(torch.float16).reshape(self.out_features, -1, 1))
+        self.in_features = self.codes.shape[1] * 32
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def rows(start: int, stop: int) -> torch.Tensor:
+            return (self.codes[start:stop].to(x.dtype) * self.scales[start:stop].to(x.dtype)).reshape(stop - start, -1)
+
+        return tiled_linear(x, self.out_features, self.in_features, rows, self.bias)
+
+
+class RawGGUFLinear(nn.Module):
+    """Any GGUF type: the block bytes, dequantized one tile of rows at a time inside forward."""
+
+    def __init__(self, qtype: GGMLQuantizationType, data: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.qtype = qtype
+        self.register_buffer("blocks", data)
+        block, size = GGML_QUANT_SIZES[qtype]
+        self.out_features, self.in_features = data.shape[0], data.shape[1] // size * block
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tiled_linear(x, self.out_features, self.in_features,
+                            lambda start, stop: dequantize_rows(self.qtype, self.blocks[start:stop]), self.bias)
+
+
+class RawGGUFEmbedding(nn.Module):
+    """Token embeddings as block bytes; a lookup dequantizes only the rows it reads."""
+
+    def __init__(self, qtype: GGMLQuantizationType, data: torch.Tensor, dtype: torch.dtype):
+        super().__init__()
+        self.qtype, self.dtype = qtype, dtype
+        self.register_buffer("blocks", data)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = dequantize_rows(self.qtype, self.blocks[ids.reshape(-1)])
+        return rows.reshape(*ids.shape, -1).to(self.dtype)
+
+
+def quantized_linear(qtype: GGMLQuantizationType, data: torch.Tensor, bias: torch.Tensor | None,
+                     dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The module that holds one GGUF linear in its quantized form in a `dtype` model (see the module docstring)."""
+    if qtype in INT4_TYPES:
+        if dtype == KERNEL_DTYPE:
+            codes, scales, offsets = int4_parts(qtype, data)
+            if kernel_shape_ok(codes.shape[0], codes.shape[1], 32):
+                return PackedInt4Linear(codes, scales, offsets, 32, bias)
+        return Nibble4Linear(qtype, data, bias)
+    if qtype == Q.Q8_0:
+        return Int8GroupLinear(data, bias)
+    return RawGGUFLinear(qtype, data, bias)
+
+
+def kept_quantized(source: GGUFSource, name: str) -> bool:
+    """Whether HF tensor `name` stays quantized: a 2-D weight stored in a block type or F16."""
+    info = source.tensors[name]
+    return name.endswith(".weight") and len(info.shape) == 2 and Q[info.dtype] not in DENSE_TYPES

@@ -1,0 +1,140 @@
+"""GGUF weights kept quantized in memory (CPU): each module rebuilds the weights gguf's reference
+dequantizer reads, and whole models give the dequantized model's logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from llmopt.formats.gguf.blocks import pack
+from llmopt.formats.gguf.writer import plan_gguf, write_gguf
+from llmopt.model import open_model
+from llmopt.quant.grids import quantize
+from llmopt.runtime.gguf_linear import (Int8GroupLinear, Nibble4Linear, RawGGUFEmbedding, RawGGUFLinear,
+                                        int4_parts, quantized_linear)
+from llmopt.runtime.int4 import PackedInt4Linear
+from llmopt.runtime.weights import load_model
+from tests.formats.gguf.models import make_wide_hf
+
+Q = GGMLQuantizationType
+QUANTIZED = (Int8GroupLinear, Nibble4Linear, RawGGUFLinear, PackedInt4Linear)
+
+
+def _blocks(qtype: GGMLQuantizationType, rows: int = 32, cols: int = 512, seed: int = 0) -> torch.Tensor:
+    """llmopt's own quantizer and block packer (the GGUF writer's), rows of block bytes."""
+    w = torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.02)
+    return torch.from_numpy(np.ascontiguousarray(pack(quantize(qtype.name, w)))).view(torch.uint8).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
+def test_int4_parts_are_the_reference_dequantization(qtype):
+    data = _blocks(qtype)
+    codes, scales, offsets = int4_parts(qtype, data)
+    assert int(codes.min()) >= 0 and int(codes.max()) <= 15
+    w = ((codes.float() - 8).reshape(32, -1, 32) * scales[..., None] + offsets[..., None]).reshape(32, -1)
+    ref = torch.from_numpy(dequantize(data.numpy(), qtype))
+    torch.testing.assert_close(w, ref, rtol=1e-6, atol=1e-7)  # same values, summed in another order
+
+
+@pytest.mark.parametrize(("qtype", "cls"), [(Q.Q8_0, Int8GroupLinear), (Q.Q4_0, Nibble4Linear), (Q.Q4_1, Nibble4Linear),
+                                           (Q.Q4_K, Nibble4Linear), (Q.Q6_K, RawGGUFLinear)])
+def test_float32_linears_equal_the_dequantized_linear_exactly(qtype, cls, monkeypatch):
+    import llmopt.runtime.gguf_linear as gl
+
+    monkeypatch.setattr(gl, "TILE_BYTES", 16 * 512 * 4)  # several tiles of 16 rows
+    data = _blocks(qtype, rows=48, cols=512)
+    layer = quantized_linear(qtype, data, None)
+    assert isinstance(layer, cls)
+    x = torch.randn(3, 512)
+    ref = torch.from_numpy(dequantize(data.numpy(), qtype))
+    if isinstance(layer, Nibble4Linear):
+        assert torch.equal(layer.rows(0, 48), ref)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, ref))
+
+
+def test_int4_kernel_rounds_only_scales_and_activations_to_bfloat16():
+    """The kernel's product equals the product of bfloat16-rounded inputs and scale/offset pairs."""
+    data = _blocks(Q.Q4_K)
+    layer = quantized_linear(Q.Q4_K, data, None, torch.bfloat16)
+    assert isinstance(layer, PackedInt4Linear)
+    codes, scales, offsets = int4_parts(Q.Q4_K, data)
+    bf = lambda t: t.to(torch.bfloat16).float()  # noqa: E731
+    w = ((codes.float() - 8).reshape(32, -1, 32) * bf(scales)[..., None] + bf(offsets)[..., None]).reshape(32, -1)
+    x = torch.randn(3, 512)
+    torch.testing.assert_close(layer(x), bf(x) @ w.t(), rtol=2e-2, atol=2e-3)
+
+
+def test_embedding_dequantizes_the_rows_it_reads():
+    data = _blocks(Q.Q6_K, rows=10, cols=256)
+    emb = RawGGUFEmbedding(Q.Q6_K, data, torch.float32)
+    ids = torch.tensor([[3, 0, 9], [3, 3, 1]])
+    ref = torch.from_numpy(dequantize(data.numpy(), Q.Q6_K))
+    assert torch.equal(emb(ids), ref[ids])
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """family -> an HF dir whose rows divide into 256 (every K-quant applies); qwen2 tied, with biases."""
+    cache = {}
+
+    def get(family: str) -> Path:
+        if family not in cache:
+            root = tmp_path_factory.mktemp(f"wide-{family}")
+            cache[family] = make_wide_hf(root / "hf", family, layers=2, tie=family == "qwen2")
+        return cache[family]
+
+    return get
+
+
+def _write(hf: Path, out: Path, mix: str, overrides=()) -> Path:
+    with open_model(hf) as src:
+        return write_gguf(src, out, plan_gguf(src, mix, has_imatrix=False, overrides=list(overrides)))
+
+
+# every type llmopt writes, by mix or by a per-tensor override
+CASES = [("llama", m, ()) for m in ("F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_M",
+                                    "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0")]
+CASES += [("llama", "Q8_0", [("ffn_down", "MXFP4"), ("ffn_up", "NVFP4")]), ("qwen2", "Q8_0", ()), ("qwen2", "Q4_K_M", ())]
+
+
+@pytest.mark.parametrize(("family", "mix", "overrides"), CASES, ids=[f"{f}-{m}{'+fp4' if o else ''}" for f, m, o in CASES])
+def test_quantized_in_memory_model_gives_the_dequantized_logits(wide, tmp_path, family, mix, overrides):
+    path = _write(wide(family), tmp_path / "m.gguf", mix, overrides)
+    kept = load_model(str(path), "float32", "cpu", packed=True).model
+    dense = load_model(str(path), "float32", "cpu", packed=False).model
+    layers = [m for m in kept.modules() if isinstance(m, QUANTIZED)]
+    assert len(layers) == 2 * 7 + 1  # every block linear and the LM head stay quantized
+    assert isinstance(kept.embed_tokens, RawGGUFEmbedding)
+    assert not any(isinstance(m, QUANTIZED) for m in dense.modules())
+    ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = kept(ids), dense(ids)
+    assert (a - b).abs().max() <= 1e-3 * b.abs().max()
+
+
+@pytest.mark.parametrize("mix", ["Q4_0", "Q4_K_M"])
+def test_bfloat16_model_takes_the_int4_kernel_within_its_rounding(wide, tmp_path, mix):
+    """bfloat16 activations and scale/offset pairs: ~3 significant digits per product, so logits agree
+    to about 2% of their range and the top token almost everywhere (as GPTQ's packed path)."""
+    path = _write(wide("llama"), tmp_path / "m.gguf", mix)
+    kept = load_model(str(path), "bfloat16", "cpu", packed=True).model
+    dense = load_model(str(path), "float32", "cpu", packed=False).model
+    assert sum(isinstance(m, PackedInt4Linear) for m in kept.modules()) >= 8
+    ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = kept(ids).float(), dense(ids)
+    assert (a - b).abs().max() < 0.03 * b.abs().max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+
+
+def test_a_kernel_shape_it_cannot_tile_falls_back_to_the_blocks():
+    data = _blocks(Q.Q4_0, rows=40)  # the kernel packs 16 output rows at a time
+    layer = quantized_linear(Q.Q4_0, data, None, torch.bfloat16)
+    assert isinstance(layer, Nibble4Linear)
+    x = torch.randn(2, 512)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, torch.from_numpy(dequantize(data.numpy(), Q.Q4_0))))

@@ -123,3 +123,23 @@ def test_fused_tensor_of_the_wrong_height_is_refused(tmp_path) -> None:
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(InputError, match="qkv_proj.weight is"):
         open_model(path)
+
+
+def test_greedy_generation_matches_transformers_under_longrope(tmp_path) -> None:
+    """The runtime's model (row-major linears, q/k/v and gate/up fused again for speed) has
+    transformers' logits, and its generation loop (KV cache, decode steps at later positions)
+    continues a prompt with transformers' greedy tokens."""
+    from llmopt.api import generate
+    from llmopt.runtime.weights import load_model
+
+    path = make_tiny_phi3(tmp_path / "phi3", longrope=True)
+    prompt = "The quick brown fox jumps over"
+    hf_tok = transformers.AutoTokenizer.from_pretrained(path)
+    prompt_ids = torch.tensor([hf_tok(prompt, add_special_tokens=False)["input_ids"]])
+    ref = _reference(path).generate(prompt_ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    ours = generate(str(path), prompt, max_tokens=16, ignore_eos=True, dtype="float32", device="cpu")
+    assert ours.token_ids == ref[0, prompt_ids.shape[1]:].tolist()
+    with torch.no_grad():
+        runtime = load_model(str(path), "float32", "cpu").model(ref)
+        diff = (runtime - _reference(path)(ref).logits).abs().max().item()
+    assert diff < 1e-4, diff

@@ -53,8 +53,8 @@ def _scaled_rope_block() -> type:
             super().__init__(arch, layer)
             self.rope_factor = factor
 
-        def forward(self, x, cos, sin, start=0, cache=None):  # noqa: ANN001, ANN201 - DecoderBlock's signature
-            return super().forward(x, cos * self.rope_factor, sin * self.rope_factor, start, cache)
+        def forward(self, x, cos, sin, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201 - DecoderBlock's
+            return super().forward(x, cos * self.rope_factor, sin * self.rope_factor, *args, **kwargs)
 
     return ScaledRopeBlock
 

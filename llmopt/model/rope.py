@@ -1,8 +1,10 @@
 """Rotary position embeddings: the one place that reads a config's rope scaling.
 
 The decoder needs the (scaled) inverse frequencies; GGUF files of llama3-scaled models also carry
-llama.cpp's `rope_freqs` tensor (the per-frequency divisors), which the writer emits and the
-planner counts. Both ask `rope_kind` which scaling a config uses, so they cannot disagree.
+llama.cpp's `rope_freqs` tensor (the per-frequency divisors), and longrope models (Phi-3 128k) its
+`rope_factors_long/short` tensors and an attention factor on cos/sin; the writer emits them, the
+reader rebuilds the config's scaling from them and the planner counts them. All ask `rope_kind`
+which scaling a config uses, so they cannot disagree.
 """
 
 from __future__ import annotations

@@ -81,12 +81,14 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_reference_gguf(hf_dir: Path, out: Path, tensor_type: str = "F32") -> Path:
-    """A GGUF of an HF directory, laid out as llama.cpp's converter does (F32/F16/Q8_0 tensors)."""
+    """A GGUF of an HF directory, laid out as llama.cpp's converter does (F32/F16/Q8_0 tensors); Phi-3
+    as its Phi3MiniModel: attn_qkv and ffn_up straight from the fused tensors, longrope's factors as
+    F32 tensors with rope.scaling.attn_factor."""
     import gguf
     from safetensors.numpy import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
-    arch = cfg["model_type"] if cfg["model_type"] in ("qwen2", "qwen3") else "llama"
+    arch = cfg["model_type"] if cfg["model_type"] in ("qwen2", "qwen3", "phi3") else "llama"
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name("tiny")
@@ -104,6 +106,8 @@ def write_reference_gguf(hf_dir: Path, out: Path, tensor_type: str = "F32") -> P
         w.add_value_length(head_dim)
     w.add_vocab_size(cfg["vocab_size"])
     w.add_file_type(0 if tensor_type == "F32" else 1)
+    if arch == "phi3":
+        _phi3_keys(w, cfg)
 
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
@@ -128,7 +132,8 @@ def write_reference_gguf(hf_dir: Path, out: Path, tensor_type: str = "F32") -> P
              "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
              "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
              "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+             "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
     tensors = load_file(str(hf_dir / "model.safetensors"))
     for name, value in tensors.items():
         if name.startswith("model.layers."):
@@ -153,6 +158,22 @@ def write_reference_gguf(hf_dir: Path, out: Path, tensor_type: str = "F32") -> P
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _phi3_keys(w, cfg: dict) -> None:  # noqa: ANN001 - a gguf.GGUFWriter
+    """What convert_hf_to_gguf.py's Phi3MiniModel adds: the pre-extension context, the sliding window,
+    and for longrope the attention factor and the factor tensors."""
+    import math
+
+    original = cfg["original_max_position_embeddings"]
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_sliding_window(cfg.get("sliding_window") or 0)
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if "long_factor" in rope:
+        scale = cfg["max_position_embeddings"] / original
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
 
 
 def rest_is(name: str, proj: str) -> bool:

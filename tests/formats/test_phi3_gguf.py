@@ -18,6 +18,7 @@ from llmopt.model.decoder import Decoder
 from llmopt.model.families import PHI3
 from llmopt.model.rope import attention_factor
 from tests.formats.gguf.llama_cpp_helpers import gguf_types, llama_dry_run_types, write_sparse_f16_gguf
+from tests.factories import write_reference_gguf
 from tests.model.test_phi3 import HEAD_DIM, ids, make_tiny_phi3
 
 
@@ -123,62 +124,13 @@ def test_automatic_mix_prices_each_fused_tensor_whole(tmp_path) -> None:
         assert torch.isfinite(Decoder.from_source(q)(ids(8))).all()
 
 
-def _reference_phi3_gguf(hf_dir, out) -> None:  # noqa: ANN001
-    """A Phi-3 GGUF laid out as llama.cpp's convert_hf_to_gguf.py (Phi3MiniModel) does, written with
-    the gguf package from the HF tensors, independently of llmopt: attn_qkv and ffn_up straight from
-    qkv_proj and gate_up_proj, the longrope factors as F32 tensors and rope.scaling.attn_factor."""
-    import json
-    import math
-
-    from safetensors.numpy import load_file
-
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    w = gguf.GGUFWriter(str(out), "phi3")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
-    w.add_rope_freq_base(cfg.get("rope_theta") or rope["rope_theta"])
-    w.add_file_type(1)
-    w.add_sliding_window(cfg["sliding_window"])
-    scale = cfg["max_position_embeddings"] / cfg["original_max_position_embeddings"]
-    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(cfg["original_max_position_embeddings"])))
-    w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
-    w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    ids = {**tok["model"]["vocab"], **{a["content"]: a["id"] for a in tok["added_tokens"]}}
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([t for t, _ in sorted(ids.items(), key=lambda kv: kv[1])])
-    w.add_token_types([1] * len(ids))
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    block = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-             "self_attn.qkv_proj.weight": "attn_qkv.weight", "self_attn.o_proj.weight": "attn_output.weight",
-             "mlp.gate_up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    for name, value in load_file(str(hf_dir / "model.safetensors")).items():
-        _, _, i, rest = name.split(".", 3) if name.startswith("model.layers.") else (0, 0, 0, name)
-        value = value.astype(np.float32 if value.ndim == 1 else np.float16)
-        w.add_tensor(f"blk.{i}.{block[rest]}" if name.startswith("model.layers.") else names[name], value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 def test_reads_a_gguf_laid_out_by_llama_cpps_converter(tmp_path) -> None:
-    """llmopt reads the converter's layout (split attn_qkv / ffn_up, longrope from the factor tensors
+    """A file written by tests/factories.py with the gguf package, independently of llmopt, as
+    llama.cpp's converter lays Phi-3 out: llmopt reads the converter's layout (split attn_qkv / ffn_up, longrope from the factor tensors
     and attn_factor) as it reads its own F16 file of the same model, and re-writes the very same tensors."""
     path = make_tiny_phi3(tmp_path / "phi3", longrope=True)
     ref_gguf, ours = tmp_path / "ref.gguf", tmp_path / "ours.gguf"
-    _reference_phi3_gguf(path, ref_gguf)
+    write_reference_gguf(path, ref_gguf, "F16")
     convert_to_gguf(path, ours, "F16")
     x = ids(40)
     with open_model(ref_gguf) as theirs, open_model(ours) as mine, torch.no_grad():

@@ -6,8 +6,8 @@ Each 2-D weight of a quantized (or F16) type takes one of these paths:
   codes with one scale and one offset per 32 inputs: Q4_0 W = (q - 8) d, Q4_1 W = d q + m, Q4_K
   W = (d sc) q - dmin m. The kernel holds its scale/offset pairs in bfloat16, which rounds d (float16,
   11-bit mantissa) and d sc (up to 17 bits) to 8 bits: close, not exact (see docs/generate.md).
-* the same types in a float32 model -> `Nibble4Linear`: the nibbles and the blocks' own scale fields,
-  W rebuilt one tile of rows at a time with gguf's arithmetic (exact).
+* the same types and Q5_0/Q5_1, otherwise -> `NibbleLinear`: the nibbles (and fifth bits) and the
+  blocks' own scale fields, W rebuilt one tile of rows at a time with gguf's arithmetic (exact).
 * Q8_0 -> `Int8GroupLinear`: int8 codes and float16 scales, rebuilt per tile (exact).
 * every other type -> `RawGGUFLinear`: the file's block bytes, dequantized by `gguf.quants.dequantize`
   (the reader's one definition) one tile of rows at a time inside forward (exact, slow).
@@ -117,27 +117,44 @@ def tiled_linear(x: torch.Tensor, out_features: int, in_features: int, rows_of: 
     return y if bias is None else y + bias.to(x.dtype)
 
 
-class Nibble4Linear(nn.Module):
-    """Q4_0/Q4_1/Q4_K: W = q * (a * a_mult) - b * b_mult per 32 inputs, with q two nibbles a byte
-    (inputs k and k + 16 of a group), float16 a and b per `per` groups, and small integer multipliers
-    per group: Q4_0 a = d, b = d * 8; Q4_1 a = d, b = -m; Q4_K a = d * sc, b = dmin * m. The products
-    and the difference are gguf's own, so the float32 weights are the reference dequantizer's."""
+# legacy 32-blocks whose codes are nibbles (+ a fifth bit in `qh`): bytes per block, offset of
+# `qh` (None: 4-bit), of the nibbles, whether a float16 `m` follows `d`, and the code offset of
+# the symmetric types (W = d (q - offset))
+LEGACY_NIBBLES = {Q.Q4_0: (18, None, 2, False, 8), Q.Q4_1: (20, None, 4, True, 0),
+                  Q.Q5_0: (22, 2, 6, False, 16), Q.Q5_1: (24, 4, 8, True, 0)}
+NIBBLE_TYPES = (*LEGACY_NIBBLES, Q.Q4_K)
+
+
+_BITS = torch.arange(8, dtype=torch.uint8)
+
+
+class NibbleLinear(nn.Module):
+    """Q4_0/Q4_1/Q5_0/Q5_1/Q4_K: W = q * (a * a_mult) - b * b_mult per 32 inputs, with q's low four
+    bits two a byte (inputs k and k + 16 of a group) and, for Q5, the fifth bits as the file's
+    little-endian `qh`; float16 a and b per `per` groups, and small integer multipliers per group:
+    Q4_0/Q5_0 a = d, b = d * offset; Q4_1/Q5_1 a = d, b = -m; Q4_K a = d * sc, b = dmin * m. The
+    products and the difference are gguf's own, so the float32 weights are the reference dequantizer's."""
 
     def __init__(self, qtype: GGMLQuantizationType, data: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         out = data.shape[0]
+        high = None
         if qtype == Q.Q4_K:
             codes, a, b, a_mult, b_mult = _k4_fields(data)
+            q = codes.reshape(out, -1, 2, 16)
+            nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).to(torch.uint8)
         else:
-            size = 18 if qtype == Q.Q4_0 else 20
+            size, qh, qs, has_m, offset = LEGACY_NIBBLES[qtype]
             blocks = data.reshape(-1, size)
-            codes = torch.cat(_nibbles(blocks[:, size - 16:]), dim=1).reshape(out, -1)
+            nibbles = blocks[:, qs:].reshape(out, -1, 16)  # already the layout above
+            if qh is not None:
+                high = blocks[:, qh:qh + 4].reshape(out, -1, 4)
             a = blocks[:, 0:2].contiguous().view(torch.float16).reshape(out, -1)
-            b = a if qtype == Q.Q4_0 else -blocks[:, 2:4].contiguous().view(torch.float16).reshape(out, -1)
+            b = -blocks[:, 2:4].contiguous().view(torch.float16).reshape(out, -1) if has_m else a
             a_mult = torch.ones_like(a, dtype=torch.uint8)
-            b_mult = torch.full_like(a_mult, 8 if qtype == Q.Q4_0 else 1)
-        q = codes.reshape(out, -1, 2, 16)
-        self.register_buffer("codes", (q[:, :, 0] | (q[:, :, 1] << 4)).to(torch.uint8).contiguous())  # [out, G, 16]
+            b_mult = torch.full_like(a_mult, 1 if has_m else offset)
+        self.register_buffer("codes", nibbles.contiguous())  # [out, G, 16]
+        self.register_buffer("high", None if high is None else high.contiguous())  # [out, G, 4]
         self.register_buffer("a", a.contiguous())
         self.register_buffer("b", b.contiguous())
         self.register_buffer("a_mult", a_mult.to(torch.uint8).contiguous())
@@ -149,7 +166,11 @@ class Nibble4Linear(nn.Module):
     def rows(self, start: int, stop: int) -> torch.Tensor:
         """Float32 rows [start, stop) of W."""
         p = self.codes[start:stop]
-        q = torch.cat([p & 0xF, p >> 4], dim=-1).float()  # [r, G, 32]
+        q = torch.cat([p & 0xF, p >> 4], dim=-1)  # [r, G, 32]
+        if self.high is not None:  # bit k of the 32-bit qh is input k's fifth bit
+            bits = (self.high[start:stop, :, :, None] >> _BITS) & 1  # [r, G, 4, 8]
+            q = q | (bits.reshape(q.shape) << 4)
+        q = q.float()
         a = self.a[start:stop].float().repeat_interleave(self.per, dim=1) * self.a_mult[start:stop]
         b = self.b[start:stop].float().repeat_interleave(self.per, dim=1) * self.b_mult[start:stop]
         return (q * a[..., None] - b[..., None]).reshape(stop - start, -1)
@@ -214,7 +235,8 @@ def quantized_linear(qtype: GGMLQuantizationType, data: torch.Tensor, bias: torc
             codes, scales, offsets = int4_parts(qtype, data)
             if kernel_shape_ok(codes.shape[0], codes.shape[1], 32):
                 return PackedInt4Linear(codes, scales, offsets, 32, bias)
-        return Nibble4Linear(qtype, data, bias)
+    if qtype in NIBBLE_TYPES:
+        return NibbleLinear(qtype, data, bias)
     if qtype == Q.Q8_0:
         return Int8GroupLinear(data, bias)
     return RawGGUFLinear(qtype, data, bias)

@@ -15,14 +15,14 @@ from llmopt.formats.gguf.blocks import pack
 from llmopt.formats.gguf.writer import plan_gguf, write_gguf
 from llmopt.model import open_model
 from llmopt.quant.grids import quantize
-from llmopt.runtime.gguf_linear import (Int8GroupLinear, Nibble4Linear, RawGGUFEmbedding, RawGGUFLinear,
+from llmopt.runtime.gguf_linear import (Int8GroupLinear, NibbleLinear, RawGGUFEmbedding, RawGGUFLinear,
                                         int4_parts, quantized_linear)
 from llmopt.runtime.int4 import PackedInt4Linear
 from llmopt.runtime.weights import load_model
 from tests.formats.gguf.models import make_wide_hf
 
 Q = GGMLQuantizationType
-QUANTIZED = (Int8GroupLinear, Nibble4Linear, RawGGUFLinear, PackedInt4Linear)
+QUANTIZED = (Int8GroupLinear, NibbleLinear, RawGGUFLinear, PackedInt4Linear)
 
 
 def _blocks(qtype: GGMLQuantizationType, rows: int = 32, cols: int = 512, seed: int = 0) -> torch.Tensor:
@@ -41,8 +41,9 @@ def test_int4_parts_are_the_reference_dequantization(qtype):
     torch.testing.assert_close(w, ref, rtol=1e-6, atol=1e-7)  # same values, summed in another order
 
 
-@pytest.mark.parametrize(("qtype", "cls"), [(Q.Q8_0, Int8GroupLinear), (Q.Q4_0, Nibble4Linear), (Q.Q4_1, Nibble4Linear),
-                                           (Q.Q4_K, Nibble4Linear), (Q.Q6_K, RawGGUFLinear)])
+@pytest.mark.parametrize(("qtype", "cls"), [(Q.Q8_0, Int8GroupLinear), (Q.Q4_0, NibbleLinear), (Q.Q4_1, NibbleLinear),
+                                           (Q.Q4_K, NibbleLinear), (Q.Q5_0, NibbleLinear),
+                                           (Q.Q5_1, NibbleLinear), (Q.Q6_K, RawGGUFLinear), (Q.IQ4_XS, RawGGUFLinear)])
 def test_float32_linears_equal_the_dequantized_linear_exactly(qtype, cls, monkeypatch):
     import llmopt.runtime.gguf_linear as gl
 
@@ -52,7 +53,7 @@ def test_float32_linears_equal_the_dequantized_linear_exactly(qtype, cls, monkey
     assert isinstance(layer, cls)
     x = torch.randn(3, 512)
     ref = torch.from_numpy(dequantize(data.numpy(), qtype))
-    if isinstance(layer, Nibble4Linear):
+    if isinstance(layer, NibbleLinear):
         assert torch.equal(layer.rows(0, 48), ref)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, ref))
 
@@ -135,6 +136,6 @@ def test_bfloat16_model_takes_the_int4_kernel_within_its_rounding(wide, tmp_path
 def test_a_kernel_shape_it_cannot_tile_falls_back_to_the_blocks():
     data = _blocks(Q.Q4_0, rows=40)  # the kernel packs 16 output rows at a time
     layer = quantized_linear(Q.Q4_0, data, None, torch.bfloat16)
-    assert isinstance(layer, Nibble4Linear)
+    assert isinstance(layer, NibbleLinear)
     x = torch.randn(2, 512)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, torch.from_numpy(dequantize(data.numpy(), Q.Q4_0))))

@@ -64,9 +64,9 @@ def test_checkpoint_stores_fused_linears_and_reads_back_the_parts(phi3, tmp_path
             assert diff < 0.05 * logits.abs().max()  # bfloat16 activations in the int4 kernel
 
 
-def test_gptq_checkpoint_config_and_transformers(phi3, tmp_path) -> None:
-    """quantize() end to end: a GPTQ v1 config over the fused modules; transformers (no GPTQ kernel
-    package installed here) is not asked to load it."""
+def test_gptq_checkpoint_end_to_end(phi3, tmp_path) -> None:
+    """quantize() end to end: a GPTQ v1 config over the fused modules, one g_idx per fused linear.
+    (transformers 5 loads GPTQ only with optimum and gptqmodel installed, which this venv has not.)"""
     calib = tmp_path / "c.txt"
     calib.write_text(CORPUS)
     result = quantize(phi3, tmp_path / "gptq", method="gptq", bits=4, group_size=32, calib=str(calib), nsamples=4, seqlen=32)

@@ -1,0 +1,46 @@
+"""SmolLM2 GGUF files written by llmopt, run with their weights quantized in memory: greedy decoding
+gives the dequantized model's tokens (float32 compute), and memory holds about the file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmopt.api.generate import generate
+from llmopt.formats.gguf.writer import plan_gguf, write_gguf
+from llmopt.model import open_model
+from llmopt.runtime.gguf_linear import Int8GroupLinear, NibbleLinear, RawGGUFLinear
+from llmopt.runtime.weights import load_model
+
+PROMPT = "The history of the Roman Empire"
+
+
+@pytest.fixture(scope="module")
+def smollm2_files(smollm2_gguf, tmp_path_factory):
+    root = tmp_path_factory.mktemp("smollm2-mixes")
+
+    def write(mix: str):
+        out = root / f"smollm2-{mix}.gguf"
+        if not out.exists():
+            with open_model(smollm2_gguf) as src:
+                write_gguf(src, out, plan_gguf(src, mix, has_imatrix=False))
+        return out
+
+    return write
+
+
+def _held_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mix", "cls"), [("Q4_0", NibbleLinear), ("Q8_0", Int8GroupLinear), ("Q4_K_M", RawGGUFLinear)])
+def test_greedy_64_tokens_equal_the_dequantized_model(smollm2_files, mix, cls):
+    path = smollm2_files(mix)
+    kept = load_model(str(path), "float32", "cpu", packed=True)
+    dense = load_model(str(path), "float32", "cpu", packed=False)
+    assert any(isinstance(m, cls) for m in kept.model.modules())
+    assert _held_bytes(kept.model) < 0.5 * _held_bytes(dense.model)
+    a = generate(kept, PROMPT, max_tokens=64, ignore_eos=True).token_ids
+    b = generate(dense, PROMPT, max_tokens=64, ignore_eos=True).token_ids
+    assert len(a) == 64 and a == b

@@ -152,8 +152,6 @@ def _mix_rules(cat: str, new_type: str, mix: str, arch: ArchSpec, row_length: in
         return new_type
     if cat == "attn_output":
         return {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K", "Q3_K_L": "Q5_K"}.get(mix, new_type)
-    if cat == "attn_qkv":  # fused qkv (not produced by the supported families; kept for completeness)
-        return {"Q3_K_M": "Q4_K", "Q3_K_L": "Q4_K", "Q4_K_M": "Q5_K", "Q5_K_M": "Q6_K"}.get(mix, new_type)
     return new_type
 
 

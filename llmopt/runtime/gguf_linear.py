@@ -106,14 +106,14 @@ def int4_parts(qtype: GGMLQuantizationType, data: torch.Tensor) -> tuple[torch.T
     return codes, scales.reshape(out, -1), offsets.reshape(out, -1)
 
 
-def tiled_linear(x: torch.Tensor, out_features: int, in_features: int, rows_of: Callable[[int, int], torch.Tensor],
+def tiled_linear(x: torch.Tensor, out_features: int, in_features: int, rows_of: Callable[[slice], torch.Tensor],
                  bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T (+ b), with W's rows [start, stop) rebuilt by `rows_of` one tile at a time."""
+    """x W^T (+ b), with W's rows rebuilt by `rows_of` one tile (a slice of rows) at a time."""
     step = max(16, TILE_BYTES // (4 * in_features))
     y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
     for start in range(0, out_features, step):
         stop = min(start + step, out_features)
-        y[..., start:stop] = F.linear(x, rows_of(start, stop).to(x.dtype))
+        y[..., start:stop] = F.linear(x, rows_of(slice(start, stop)).to(x.dtype))
     return y if bias is None else y + bias.to(x.dtype)
 
 
@@ -163,17 +163,17 @@ class NibbleLinear(nn.Module):
         self.out_features, self.in_features = out, a_mult.shape[1] * 32
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
-    def rows(self, start: int, stop: int) -> torch.Tensor:
-        """Float32 rows [start, stop) of W."""
-        p = self.codes[start:stop]
+    def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
+        """Float32 rows of W (a slice, or row numbers: a tied embedding's lookup)."""
+        p = self.codes[index]
         q = torch.cat([p & 0xF, p >> 4], dim=-1)  # [r, G, 32]
         if self.high is not None:  # bit k of the 32-bit qh is input k's fifth bit
-            bits = (self.high[start:stop, :, :, None] >> _BITS) & 1  # [r, G, 4, 8]
+            bits = (self.high[index][..., None] >> _BITS) & 1  # [r, G, 4, 8]
             q = q | (bits.reshape(q.shape) << 4)
         q = q.float()
-        a = self.a[start:stop].float().repeat_interleave(self.per, dim=1) * self.a_mult[start:stop]
-        b = self.b[start:stop].float().repeat_interleave(self.per, dim=1) * self.b_mult[start:stop]
-        return (q * a[..., None] - b[..., None]).reshape(stop - start, -1)
+        a = self.a[index].float().repeat_interleave(self.per, dim=1) * self.a_mult[index]
+        b = self.b[index].float().repeat_interleave(self.per, dim=1) * self.b_mult[index]
+        return (q * a[..., None] - b[..., None]).reshape(p.shape[0], -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return tiled_linear(x, self.out_features, self.in_features, self.rows, self.bias)
@@ -191,11 +191,12 @@ class Int8GroupLinear(nn.Module):
         self.in_features = self.codes.shape[1] * 32
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        def rows(start: int, stop: int) -> torch.Tensor:
-            return (self.codes[start:stop].to(x.dtype) * self.scales[start:stop].to(x.dtype)).reshape(stop - start, -1)
+    def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
+        codes = self.codes[index]
+        return (codes.float() * self.scales[index].float()).reshape(codes.shape[0], -1)
 
-        return tiled_linear(x, self.out_features, self.in_features, rows, self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tiled_linear(x, self.out_features, self.in_features, self.rows, self.bias)
 
 
 class RawGGUFLinear(nn.Module):
@@ -209,9 +210,11 @@ class RawGGUFLinear(nn.Module):
         self.out_features, self.in_features = data.shape[0], data.shape[1] // size * block
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
+    def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
+        return dequantize_rows(self.qtype, self.blocks[index])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tiled_linear(x, self.out_features, self.in_features,
-                            lambda start, stop: dequantize_rows(self.qtype, self.blocks[start:stop]), self.bias)
+        return tiled_linear(x, self.out_features, self.in_features, self.rows, self.bias)
 
 
 class RawGGUFEmbedding(nn.Module):
@@ -225,6 +228,17 @@ class RawGGUFEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = dequantize_rows(self.qtype, self.blocks[ids.reshape(-1)])
         return rows.reshape(*ids.shape, -1).to(self.dtype)
+
+
+class TiedQuantizedEmbedding(nn.Module):
+    """Token embeddings read from a tied LM head's quantized rows, so the table is held once."""
+
+    def __init__(self, head: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.head, self.dtype = head, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.rows(ids.reshape(-1)).reshape(*ids.shape, -1).to(self.dtype)
 
 
 def quantized_linear(qtype: GGMLQuantizationType, data: torch.Tensor, bias: torch.Tensor | None,

@@ -19,7 +19,8 @@ from llmopt.model.decoder import Decoder, Rotary, hf_to_param_name
 from llmopt.model.gguf_file import GGUFSource
 from llmopt.model.quantized_dir import PackedDirSource
 from llmopt.runtime.arena import pack_contiguously
-from llmopt.runtime.gguf_linear import RawGGUFEmbedding, kept_quantized, quantized_linear, raw_rows
+from llmopt.runtime.gguf_linear import (RawGGUFEmbedding, TiedQuantizedEmbedding, kept_quantized, quantized_linear,
+                                        raw_rows)
 from llmopt.runtime.int4 import PackedInt4Linear, packable
 from llmopt.runtime.row_major import use_row_major_linears
 from llmopt.quantized_tensor import QuantizedTensor
@@ -115,9 +116,12 @@ def _gguf_decoder(source: GGUFSource, dtype: torch.dtype) -> Decoder:
         qtype, data = raw_rows(source, name)
         path = hf_to_param_name(name).removesuffix(".weight")
         if path == "embed_tokens":
-            _replace(model, path, RawGGUFEmbedding(qtype, data, dtype))
-            if "lm_head.weight" not in source.tensors:  # tied: the head reads the same blocks
-                _replace(model, "lm_head", quantized_linear(qtype, data, None, dtype))
+            embed = RawGGUFEmbedding(qtype, data, dtype)
+            if "lm_head.weight" not in source.tensors:  # tied: one quantized table serves both
+                model.lm_head = quantized_linear(qtype, data, None, dtype)
+                if hasattr(model.lm_head, "rows"):  # (the int4 kernel's packing cannot give rows back)
+                    embed = TiedQuantizedEmbedding(model.lm_head, dtype)
+            model.embed_tokens = embed
         else:
             _replace(model, path, quantized_linear(qtype, data, model.get_submodule(path).bias, dtype))
         del data

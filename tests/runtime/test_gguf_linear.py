@@ -16,7 +16,7 @@ from llmopt.formats.gguf.writer import plan_gguf, write_gguf
 from llmopt.model import open_model
 from llmopt.quant.grids import quantize
 from llmopt.runtime.gguf_linear import (Int8GroupLinear, NibbleLinear, RawGGUFEmbedding, RawGGUFLinear,
-                                        int4_parts, quantized_linear)
+                                        TiedQuantizedEmbedding, int4_parts, quantized_linear)
 from llmopt.runtime.int4 import PackedInt4Linear
 from llmopt.runtime.weights import load_model
 from tests.formats.gguf.models import make_wide_hf
@@ -54,8 +54,10 @@ def test_float32_linears_equal_the_dequantized_linear_exactly(qtype, cls, monkey
     x = torch.randn(3, 512)
     ref = torch.from_numpy(dequantize(data.numpy(), qtype))
     if isinstance(layer, NibbleLinear):
-        assert torch.equal(layer.rows(0, 48), ref)
+        assert torch.equal(layer.rows(slice(0, 48)), ref)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, ref))
+    ids = torch.tensor([[5, 0, 47], [5, 5, 1]])  # the same rows serve a tied embedding
+    assert torch.equal(TiedQuantizedEmbedding(layer, torch.float32)(ids), ref[ids])
 
 
 def test_int4_kernel_rounds_only_scales_and_activations_to_bfloat16():
@@ -110,7 +112,8 @@ def test_quantized_in_memory_model_gives_the_dequantized_logits(wide, tmp_path, 
     dense = load_model(str(path), "float32", "cpu", packed=False).model
     layers = [m for m in kept.modules() if isinstance(m, QUANTIZED)]
     assert len(layers) == 2 * 7 + 1  # every block linear and the LM head stay quantized
-    assert isinstance(kept.embed_tokens, RawGGUFEmbedding)
+    tied = family == "qwen2" and not isinstance(kept.lm_head, PackedInt4Linear)
+    assert isinstance(kept.embed_tokens, TiedQuantizedEmbedding if tied else RawGGUFEmbedding)
     assert not any(isinstance(m, QUANTIZED) for m in dense.modules())
     ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -65,7 +65,7 @@ def llmopt_decode(path: Path, dtype: str, packed: bool, ids: list[int], tokens: 
     gen = Generator(loaded.model, loaded.tokenizer)
     gen.generate(ids, 4, ignore_eos=True)  # warm-up
     m = gen.generate(ids, tokens, ignore_eos=True).metrics
-    return {"tokens_per_s": round(m.tokens_per_s, 2), "held_mb": round(held_bytes(loaded.model) / 2**20, 1)}
+    return {"tokens_per_s": round(m.tokens_per_s, 2), "held_mib": round(held_bytes(loaded.model) / 2**20, 1)}
 
 
 def llama_cpp_decode(path: Path, ids: list[int], tokens: int, threads: int) -> dict:
@@ -94,7 +94,7 @@ def smollm2_table(work: Path, tokens: int, threads: int) -> dict:
     out = {}
     for mix in MIXES:
         path = write_mix(base, mix, work / f"smollm2-{mix}.gguf")
-        row = {"file_mb": round(path.stat().st_size / 2**20, 1)}
+        row = {"file_mib": round(path.stat().st_size / 2**20, 1)}
         row["quantized_fp32"] = llmopt_decode(path, "float32", True, ids, tokens)
         row["quantized_bf16"] = llmopt_decode(path, "bfloat16", True, ids, tokens)
         row["dequantized_fp32"] = llmopt_decode(path, "float32", False, ids, tokens)
@@ -201,11 +201,11 @@ def main() -> None:
         results: dict = {"threads": args.threads, "tokens": args.tokens}
         if not args.skip_smollm2:
             results["smollm2"] = smollm2_table(work, args.tokens, args.threads)
-            print(f"{'SmolLM2 file':<10}{'MB':>7}  {'decode tok/s (held MB)':<70}")
+            print(f"{'SmolLM2 file':<10}{'MiB':>7}  {'decode tok/s (weights held, MiB)':<70}")
             for mix, row in results["smollm2"].items():
-                cells = "  ".join(f"{k}={row[k]['tokens_per_s']}" + (f" ({row[k]['held_mb']} MB)" if "held_mb" in row[k] else "")
+                cells = "  ".join(f"{k}={row[k]['tokens_per_s']}" + (f" ({row[k]['held_mib']} MiB)" if "held_mib" in row[k] else "")
                                   for k in ("quantized_fp32", "quantized_bf16", "dequantized_fp32", "llama_cpp"))
-                print(f"{mix:<10}{row['file_mb']:>7}  {cells}")
+                print(f"{mix:<10}{row['file_mib']:>7}  {cells}")
         if not args.skip_7b:
             results["llama7b_shape_q4_0"] = r = seven_b(work, args)
             print(f"\n{args.layers}-layer hidden-{args.hidden} Q4_0: file {r['file_bytes'] / 2**30:.2f} GiB, KV "

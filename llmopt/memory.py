@@ -51,3 +51,15 @@ def release_mapped_files(root: Path) -> None:
         if path == base or path.startswith(base + os.sep):
             lo, hi = (int(v, 16) for v in fields[0].split("-"))
             madvise(lo, hi - lo, MADV_DONTNEED)
+
+
+def available_memory() -> int:
+    """Bytes of memory the system can give without swapping (Linux MemAvailable; else all of RAM)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -17,7 +17,9 @@ from llmopt.errors import InputError, OptionError
 DTypeOpt = Annotated[str, typer.Option("--dtype", help="auto | float32 | float16 | bfloat16 (auto: float32 on CPU, bfloat16 on CUDA).")]
 ThreadsOpt = Annotated[int, typer.Option("--threads", help="CPU threads for torch (0 = torch's default).")]
 PackedOpt = Annotated[bool, typer.Option("--packed-int4/--dequantize", help="GPTQ 4-bit on CPU: keep weights packed "
-                                         "(int4 kernel, bfloat16 activations, faster) or dequantize them (exact).")]
+                                         "(int4 kernel, bfloat16 activations, faster) or dequantize them (exact). "
+                                         "GGUF on CPU stays quantized in memory when dequantized it would not fit "
+                                         "(half the available memory); --dequantize always dequantizes.")]
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:

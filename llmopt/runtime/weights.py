@@ -1,12 +1,15 @@
 """Weight providers: from whatever llmopt can read (HF dirs, GGUF of any type) to a ready `Decoder`.
 
-Float checkpoints load as they are. GGUF weights stay in their quantized form on CPU (gguf_linear.py):
-memory is about the file's size. Dequantized instead (`packed=False`, or off CPU), they are read one
-tensor at a time, so peak memory is the model in the runtime dtype plus one tensor.
+Float checkpoints load as they are. GGUF weights on CPU either stay in their quantized form
+(gguf_linear.py: memory is about the file's size, decode slower) or are dequantized into the runtime
+dtype (faster: torch's dense matmuls), read one tensor at a time so that peak memory is the model plus
+one tensor. By default they stay quantized only when the dequantized model would not fit comfortably
+(`keep_gguf_quantized`); `gguf_quantized` forces either way, and `packed=False` always dequantizes.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +17,7 @@ from torch import nn
 
 from llmopt.device import resolve_device
 from llmopt.errors import InputError, OptionError
+from llmopt.memory import available_memory
 from llmopt.model import ModelSource, TokenizerInfo, open_model
 from llmopt.model.decoder import Decoder, Rotary, hf_to_param_name
 from llmopt.model.gguf_file import GGUFSource
@@ -47,25 +51,29 @@ class LoadedModel:
     device: torch.device
 
 
-def load_model(spec: str, dtype: str = "auto", device: str = "auto", packed: bool = True) -> LoadedModel:
-    """Open `spec` and build the runtime model on `device` in `dtype` (`packed`: see build_decoder)."""
+def load_model(spec: str, dtype: str = "auto", device: str = "auto", packed: bool = True,
+               gguf_quantized: bool | None = None) -> LoadedModel:
+    """Open `spec` and build the runtime model on `device` in `dtype` (`packed`, `gguf_quantized`: see
+    build_decoder)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     with open_model(spec) as source:
-        model = build_decoder(source, dt, dev, packed)
+        model = build_decoder(source, dt, dev, packed, gguf_quantized)
         tok = source.tokenizer()
         return LoadedModel(model, tok, source.kind, str(source.path), dt, dev)
 
 
-def build_decoder(source: ModelSource, dtype: torch.dtype, device: torch.device, packed: bool = True) -> Decoder:
-    """Float sources: in the dtype. GGUF on CPU with `packed`: weights stay quantized (gguf_linear.py);
-    otherwise dequantized into the dtype. GPTQ and AWQ: 4-bit layers stay packed where the
+def build_decoder(source: ModelSource, dtype: torch.dtype, device: torch.device, packed: bool = True,
+                  gguf_quantized: bool | None = None) -> Decoder:
+    """Float sources: in the dtype. GGUF on CPU with `packed`: weights stay quantized (gguf_linear.py)
+    when `gguf_quantized` says so (None: when `keep_gguf_quantized`); otherwise dequantized into the dtype. GPTQ and AWQ: 4-bit layers stay packed where the
     int4 kernel applies (`packed`), the rest is dequantized layer by layer. On CPU, float linears
     take the row-major layout that streams weights fastest (see row_major.py), and the weights then
     move into one contiguous block (arena.py)."""
     if isinstance(source, PackedDirSource):
         model = _packed_decoder(source, dtype, device, packed)
-    elif packed and isinstance(source, GGUFSource) and device.type == "cpu":
+    elif packed and isinstance(source, GGUFSource) and device.type == "cpu" and (
+            keep_gguf_quantized(source, dtype) if gguf_quantized is None else gguf_quantized):
         model = _gguf_decoder(source, dtype)
     elif source.quantization_config:
         method = source.quantization_config.get("quant_method", "quantized")
@@ -78,6 +86,14 @@ def build_decoder(source: ModelSource, dtype: torch.dtype, device: torch.device,
         model = use_row_major_linears(model)  # it shares a tied head's float weight with the lookup
     pack_contiguously(model)
     return model
+
+
+def keep_gguf_quantized(source: GGUFSource, dtype: torch.dtype) -> bool:
+    """Keep a GGUF model quantized in memory when dequantized it would take more than half the memory
+    available now. Below that, dequantized decode is faster (2-7x on SmolLM2's Q4_0/Q4_K_M/Q8_0
+    files); above it, quantized is what lets a 7B Q4 file run on a small machine at all."""
+    elements = sum(math.prod(info.shape) for info in source.tensors.values())
+    return elements * dtype.itemsize > available_memory() // 2
 
 
 def _packed_decoder(source: PackedDirSource, dtype: torch.dtype, device: torch.device, packed: bool) -> Decoder:

@@ -108,7 +108,7 @@ CASES += [("llama", "Q8_0", [("ffn_down", "MXFP4"), ("ffn_up", "NVFP4")]), ("qwe
 @pytest.mark.parametrize(("family", "mix", "overrides"), CASES, ids=[f"{f}-{m}{'+fp4' if o else ''}" for f, m, o in CASES])
 def test_quantized_in_memory_model_gives_the_dequantized_logits(wide, tmp_path, family, mix, overrides):
     path = _write(wide(family), tmp_path / "m.gguf", mix, overrides)
-    kept = load_model(str(path), "float32", "cpu", packed=True).model
+    kept = load_model(str(path), "float32", "cpu", packed=True, gguf_quantized=True).model
     dense = load_model(str(path), "float32", "cpu", packed=False).model
     layers = [m for m in kept.modules() if isinstance(m, QUANTIZED)]
     assert len(layers) == 2 * 7 + 1  # every block linear and the LM head stay quantized
@@ -126,7 +126,7 @@ def test_bfloat16_model_takes_the_int4_kernel_within_its_rounding(wide, tmp_path
     """bfloat16 activations and scale/offset pairs: ~3 significant digits per product, so logits agree
     to about 2% of their range and the top token almost everywhere (as GPTQ's packed path)."""
     path = _write(wide("llama"), tmp_path / "m.gguf", mix)
-    kept = load_model(str(path), "bfloat16", "cpu", packed=True).model
+    kept = load_model(str(path), "bfloat16", "cpu", packed=True, gguf_quantized=True).model
     dense = load_model(str(path), "float32", "cpu", packed=False).model
     assert sum(isinstance(m, PackedInt4Linear) for m in kept.modules()) >= 8
     ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(0))
@@ -142,3 +142,18 @@ def test_a_kernel_shape_it_cannot_tile_falls_back_to_the_blocks():
     assert isinstance(layer, NibbleLinear)
     x = torch.randn(2, 512)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, torch.from_numpy(dequantize(data.numpy(), Q.Q4_0))))
+
+
+def test_by_default_a_gguf_stays_quantized_only_when_dequantized_it_would_not_fit(wide, tmp_path, monkeypatch):
+    """Dequantized decode is faster, so it is the default while the float model takes at most half the
+    available memory; beyond that the weights stay quantized (a 7B Q4 file on a small machine)."""
+    import llmopt.runtime.weights as weights
+
+    path = _write(wide("llama"), tmp_path / "m.gguf", "Q4_0", ())
+    monkeypatch.setattr(weights, "available_memory", lambda: 1 << 40)
+    roomy = load_model(str(path), "float32", "cpu").model
+    assert not any(isinstance(m, QUANTIZED) for m in roomy.modules())
+    monkeypatch.setattr(weights, "available_memory", lambda: 1 << 20)
+    tight = load_model(str(path), "float32", "cpu").model
+    assert sum(isinstance(m, QUANTIZED) for m in tight.modules()) == 2 * 7 + 1
+    assert not any(isinstance(m, QUANTIZED) for m in load_model(str(path), "float32", "cpu", packed=False).model.modules())

@@ -7,7 +7,7 @@ permutation is undone, so callers see exactly what an HF directory would hold.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dataclasses import replace
 from pathlib import Path
@@ -69,9 +69,7 @@ class GGUFSource(ModelSource):
         import torch
 
         dtype = torch_dtype(dtype)
-        stored, rows = self.stored_rows(name)
-        info = self.tensors[name] if rows is None else self.fused_tensors[stored]
-        raw = self._by_stored[info.stored_name]
+        raw, shape, rows = self.stored_tensor(name)
         qtype = raw.tensor_type
         if qtype == GGMLQuantizationType.F32:
             t = torch.from_numpy(np.array(raw.data, dtype=np.float32))
@@ -84,13 +82,23 @@ class GGUFSource(ModelSource):
                 t = torch.from_numpy(dequantize(raw.data, qtype))
             except NotImplementedError:
                 raise InputError(f"{self.path}: tensor {raw.name} is {qtype.name}, which llmopt cannot read") from None
-        t = t.reshape(info.shape)
-        if rows is not None:  # one linear of a fused tensor (Phi-3's attn_qkv)
+        t = self.hf_rows(name, t.reshape(shape), rows)
+        return t if dtype is None else t.to(dtype)
+
+    def stored_tensor(self, name: str) -> tuple[Any, tuple[int, ...], slice | None]:
+        """The file's tensor that holds `name` (gguf's ReaderTensor), its HF-orientation shape, and
+        the rows of it that are `name` (None: all)."""
+        stored, rows = self.stored_rows(name)
+        info = self.tensors[name] if rows is None else self.fused_tensors[stored]
+        return self._by_stored[info.stored_name], info.shape, rows
+
+    def hf_rows(self, name: str, t: torch.Tensor, rows: slice | None) -> torch.Tensor:
+        """Rows of the stored tensor `t` (values, or block bytes per row) as `name`'s rows in HF order:
+        a fused tensor's part sliced (Phi-3's attn_qkv), llama.cpp's Q/K permutation undone."""
+        if rows is not None:
             t = t[rows]
         heads = self.arch.family.qk_heads(name, self.arch.num_heads, self.arch.num_kv_heads)
-        if heads is not None:
-            t = unpermute_from_gguf(t, heads)
-        return t if dtype is None else t.to(dtype)
+        return t if heads is None else unpermute_from_gguf(t, heads)
 
     def tokenizer(self) -> TokenizerInfo | None:
         if not self._tokenizer_read:

@@ -27,7 +27,6 @@ from gguf.quants import dequantize
 from torch import nn
 from torch.nn import functional as F
 
-from llmopt.model.families.base import unpermute_from_gguf
 from llmopt.model.gguf_file import GGUFSource
 from llmopt.runtime.int4 import KERNEL_DTYPE, PackedInt4Linear, kernel_shape_ok
 
@@ -43,16 +42,9 @@ DENSE_TYPES = (Q.F32, Q.BF16)  # loaded as ordinary float weights
 def raw_rows(source: GGUFSource, name: str) -> tuple[GGMLQuantizationType, torch.Tensor]:
     """The stored type and block bytes [rows, bytes per row] of 2-D tensor `name`, copied out of the
     file's map, rows in HF order (a fused tensor's part sliced, llama.cpp's Q/K permutation undone)."""
-    stored, rows = source.stored_rows(name)
-    info = source.tensors[name] if rows is None else source.fused_tensors[stored]
-    raw = source._by_stored[info.stored_name]
-    data = torch.from_numpy(np.array(raw.data).view(np.uint8).reshape(info.shape[0], -1))
-    if rows is not None:
-        data = data[rows]
-    heads = source.arch.family.qk_heads(name, source.arch.num_heads, source.arch.num_kv_heads)
-    if heads is not None:
-        data = unpermute_from_gguf(data, heads)
-    return raw.tensor_type, data.contiguous()
+    raw, shape, rows = source.stored_tensor(name)
+    data = torch.from_numpy(np.array(raw.data).view(np.uint8).reshape(shape[0], -1))
+    return raw.tensor_type, source.hf_rows(name, data, rows).contiguous()
 
 
 def dequantize_rows(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> torch.Tensor:

@@ -58,40 +58,56 @@ def test_act_order_needs_static_groups_on_a_gguf_grid() -> None:
         gptq_quantize(w, h, GPTQConfig(act_order=True), grid=GRIDS["Q4_K"])
 
 
-def test_pipeline_into_a_gguf_file_that_llama_cpp_runs(tmp_path) -> None:
-    """A random 256-wide Llama through GPTQ onto a Q4_K_M plan with Q4_0/Q8_0 overrides: the file's
-    bytes dequantize (gguf's reference code, Q/K rows un-permuted) to exactly what GPTQ produced,
-    the types are the plan's, and llama.cpp loads it and gives our decoder's next tokens."""
-    from llama_cpp import Llama
-
+def gptq_into_gguf(tmp_path, mix: str, overrides: list[tuple[str, str]], config: GPTQConfig):
+    """A random 2-layer, 256-wide Llama through GPTQ onto the GGUF plan of `mix` with `overrides`,
+    written to a file: (the file, the plan, the QuantizedTensors GPTQ produced by module)."""
     from llmopt.formats.gguf.writer import GGUFWriter, grids_for, plan_gguf
-    from llmopt.model.decoder import Decoder
     from llmopt.quant.pipeline import QuantizeSpec, quantize_model, quantized_modules
-    from tests.formats.gguf.llama_cpp_helpers import gguf_types
     from tests.formats.gguf.models import make_wide_hf
 
     hf = make_wide_hf(tmp_path / "hf", "llama", layers=2)
-    out = tmp_path / "gptq-Q4_K_M.gguf"
+    out = tmp_path / f"gptq-{mix}.gguf"
     produced = {}
     with open_model(hf) as src:
-        plan = plan_gguf(src, "Q4_K_M", overrides=[("attn_q", "Q4_0"), ("attn_k", "Q8_0")])
-        spec = QuantizeSpec(GPTQConfig(damp=0.01, group_aware=True), grids=grids_for(plan), batch_size=2)
+        plan = plan_gguf(src, mix, overrides=overrides)
+        spec = QuantizeSpec(config, grids=grids_for(plan), batch_size=2)
         tokens = torch.randint(0, 300, (4, 64), generator=torch.Generator().manual_seed(0))
         with GGUFWriter(src, out, plan, computed=quantized_modules(src, spec)) as writer:
             for block in quantize_model(src, spec, tokens):
                 writer.add(block)
                 produced.update(block.tensors)
             writer.finish()
+    return out, plan, produced
+
+
+def logits_ours_and_llama_cpp(path) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """A sentence's token ids and the logits of our decoder and of llama.cpp on GGUF file `path`."""
+    from llama_cpp import Llama
+
+    from llmopt.model.decoder import Decoder
+
+    with open_model(path) as written:
+        ids = written.tokenizer().encode("The quick brown fox jumps over the lazy dog. Pack my box.")
+        ours = Decoder.from_source(written)(torch.tensor([ids]))[0].detach()
+    llm = Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+    llm.eval(ids)
+    return ids, ours, torch.tensor(np.asarray(llm.scores[: len(ids)]))
+
+
+def test_pipeline_into_a_gguf_file_that_llama_cpp_runs(tmp_path) -> None:
+    """A random 256-wide Llama through GPTQ onto a Q4_K_M plan with Q4_0/Q8_0 overrides: the file's
+    bytes dequantize (gguf's reference code, Q/K rows un-permuted) to exactly what GPTQ produced,
+    the types are the plan's, and llama.cpp loads it and gives our decoder's next tokens."""
+    from tests.formats.gguf.llama_cpp_helpers import gguf_types
+
+    out, plan, produced = gptq_into_gguf(tmp_path, "Q4_K_M", [("attn_q", "Q4_0"), ("attn_k", "Q8_0")],
+                                         GPTQConfig(damp=0.01, group_aware=True))  # fmt: skip
     assert gguf_types(out) == {t.gguf_name: t.type_name for t in plan.tensors}
     assert len(produced) == 14 and {qt.grid for qt in produced.values()} == {"Q4_0", "Q8_0", "Q4_K", "Q6_K"}
     with open_model(out) as written:  # gguf.quants.dequantize, and llama.cpp's Q/K row order undone
         for module, qt in produced.items():
             assert torch.equal(written.load(f"{module}.weight"), qt.dequantize()), module
-        ids = written.tokenizer().encode("The quick brown fox jumps over the lazy dog. Pack my box.")
-        ours = Decoder.from_source(written)(torch.tensor([ids]))[0].detach()
-    llm = Llama(model_path=str(out), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
-    llm.eval(ids)
-    theirs = torch.tensor(np.asarray(llm.scores[: len(ids)]))
+    ids, ours, theirs = logits_ours_and_llama_cpp(out)
     # llama.cpp multiplies with activations rounded to 8 bits (its own kernels, per CPU): close, not
     # equal, so the top token must agree wherever our margin to the runner-up exceeds twice that error
     # (a random model has near-ties that another CPU's rounding may flip)

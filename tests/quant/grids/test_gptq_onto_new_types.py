@@ -13,7 +13,7 @@ import torch
 from llmopt.formats.gguf.blocks import pack
 from llmopt.quant.gptq import GPTQConfig, gptq_quantize
 from llmopt.quant.grids import GRIDS
-from tests.quant.test_gptq_grids import _hessian_error, _problem
+from tests.quant.test_gptq_grids import _hessian_error, _problem, gptq_into_gguf, logits_ours_and_llama_cpp
 
 
 @pytest.mark.parametrize("type_name", ["IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4"])
@@ -37,38 +37,17 @@ def test_pipeline_into_a_gguf_file_that_llama_cpp_runs(tmp_path) -> None:
     """A random 256-wide Llama through GPTQ onto an IQ4_XS plan with MXFP4/NVFP4 overrides: the file
     reads back (gguf's dequantization) as exactly what GPTQ produced, and llama.cpp runs it to our
     decoder's next tokens."""
-    import numpy as np
-    from llama_cpp import Llama
-
-    from llmopt.formats.gguf.writer import GGUFWriter, grids_for, plan_gguf
     from llmopt.model import open_model
-    from llmopt.model.decoder import Decoder
-    from llmopt.quant.pipeline import QuantizeSpec, quantize_model, quantized_modules
     from tests.formats.gguf.llama_cpp_helpers import gguf_types
-    from tests.formats.gguf.models import make_wide_hf
 
-    hf = make_wide_hf(tmp_path / "hf", "llama", layers=2)
-    out = tmp_path / "gptq-IQ4_XS.gguf"
-    produced = {}
-    with open_model(hf) as src:
-        plan = plan_gguf(src, "IQ4_XS", overrides=[("attn_q", "MXFP4"), ("attn_k", "NVFP4"), ("ffn_up", "IQ4_NL")])
-        spec = QuantizeSpec(GPTQConfig(damp=0.01), grids=grids_for(plan), batch_size=2)
-        tokens = torch.randint(0, 300, (4, 64), generator=torch.Generator().manual_seed(0))
-        with GGUFWriter(src, out, plan, computed=quantized_modules(src, spec)) as writer:
-            for block in quantize_model(src, spec, tokens):
-                writer.add(block)
-                produced.update(block.tensors)
-            writer.finish()
+    out, plan, produced = gptq_into_gguf(tmp_path, "IQ4_XS", [("attn_q", "MXFP4"), ("attn_k", "NVFP4"),
+                                                              ("ffn_up", "IQ4_NL")], GPTQConfig(damp=0.01))  # fmt: skip
     assert gguf_types(out) == {t.gguf_name: t.type_name for t in plan.tensors}
     assert {"IQ4_XS", "IQ4_NL", "MXFP4", "NVFP4"} <= {qt.grid for qt in produced.values()}
     with open_model(out) as written:
         for module, qt in produced.items():
             assert torch.equal(written.load(f"{module}.weight"), qt.dequantize()), module
-        ids = written.tokenizer().encode("The quick brown fox jumps over the lazy dog. Pack my box.")
-        ours = Decoder.from_source(written)(torch.tensor([ids]))[0].detach()
-    llm = Llama(model_path=str(out), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
-    llm.eval(ids)
-    theirs = torch.tensor(np.asarray(llm.scores[: len(ids)]))
+    ids, ours, theirs = logits_ours_and_llama_cpp(out)
     # llama.cpp multiplies with activations rounded to 8 bits (its own kernels, per CPU): close, not equal
     assert (theirs - ours).abs().max() < 0.1 * ours.abs().max()
     assert (theirs.argmax(-1) == ours.argmax(-1)).float().mean() >= 0.9

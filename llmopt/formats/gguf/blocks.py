@@ -14,6 +14,8 @@ import torch
 from llmopt.errors import InputError
 from llmopt.quant.grids.fp4 import INDEX_OF_CODE as FP4_INDEX_OF_CODE
 from llmopt.quant.grids.iq4 import IQ4_LEVELS
+from llmopt.quant.grids.iq_lattice import IQ2_XXS_LATTICE, IQ3_XXS_LATTICE
+from llmopt.quant.grids.lattice import Lattice
 from llmopt.quant.grids.ternary import ZERO_CODE
 from llmopt.quantized_tensor import QuantizedTensor
 
@@ -191,11 +193,49 @@ def pack_nvfp4(qt: QuantizedTensor) -> torch.Tensor:
     return torch.cat([_u8(qt.aux["ue"]).reshape(-1, 4), qs], dim=1)
 
 
+def _lattice_fields(qt: QuantizedTensor, lattice: Lattice) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ2/IQ3 codes (±value + 128) -> each group's point index [n, groups per 32] and the 7 stored sign
+    bits of each 8 [n, 4] (per 32-sub-block); refuses codes off the lattice or with an odd sign count."""
+    v = qt.codes.to(torch.int64).reshape(-1, 32) - 128
+    level_of = torch.full((256,), -1, dtype=torch.int64)
+    level_of[torch.tensor(lattice.levels)] = torch.arange(lattice.nlevels)
+    levels = level_of[v.abs()].reshape(v.shape[0], -1, lattice.dims)
+    index = lattice.index_of_key[lattice.key(levels.clamp(min=0))]
+    negative = (v < 0).reshape(-1, 4, 8).to(torch.int64)
+    if bool((levels < 0).any() | (index < 0).any() | (negative.sum(dim=-1) % 2 == 1).any()):
+        raise InputError(f"{qt.grid} codes that are not points of its lattice with an even count of signs")
+    signs = (negative * (1 << torch.arange(7 + 1))).sum(dim=-1) & 127
+    return index, signs
+
+
+def _u32_bytes(t: torch.Tensor) -> torch.Tensor:
+    """uint32 values (held in int64) [n, k] -> their little-endian bytes [n, 4k]."""
+    return t.to(torch.int64).unsqueeze(-1).bitwise_right_shift(torch.arange(0, 32, 8)).bitwise_and(255).reshape(t.shape[0], -1).to(torch.uint8)
+
+
+def _scales_and_signs(signs: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+    """Four 7-bit sign sets and the 4-bit scale of a sub-block as llama.cpp's uint32 [n] (signs at 0, 7, 14, 21; scale at 28)."""
+    return (signs * torch.tensor([1, 1 << 7, 1 << 14, 1 << 21])).sum(dim=-1) | (sc.to(torch.int64) << 28)
+
+
+def pack_iq3_xxs(qt: QuantizedTensor) -> torch.Tensor:
+    index, signs = _lattice_fields(qt, IQ3_XXS_LATTICE)  # [n·8, 8], [n·8, 4]
+    aux = _scales_and_signs(signs, qt.aux["sc"].reshape(-1)).reshape(-1, 8)
+    return torch.cat([_half_bytes(qt.aux["d"].reshape(-1)), index.reshape(-1, 64).to(torch.uint8), _u32_bytes(aux)], dim=1)
+
+
+def pack_iq2_xxs(qt: QuantizedTensor) -> torch.Tensor:
+    index, signs = _lattice_fields(qt, IQ2_XXS_LATTICE)  # [n·8, 4], [n·8, 4]
+    aux = _scales_and_signs(signs, qt.aux["sc"].reshape(-1))
+    pairs = torch.cat([index.to(torch.uint8), _u32_bytes(aux[:, None])], dim=1)  # per sub-block: 4 indices, then the uint32
+    return torch.cat([_half_bytes(qt.aux["d"].reshape(-1)), pairs.reshape(-1, 64)], dim=1)
+
+
 PACKERS = {
     "Q8_0": pack_q8_0, "Q4_0": pack_q4_0, "Q4_1": pack_q4_1, "Q5_0": pack_q5_0, "Q5_1": pack_q5_1,
     "Q2_K": pack_q2_k, "Q3_K": pack_q3_k, "Q4_K": pack_q4_k, "Q5_K": pack_q5_k, "Q6_K": pack_q6_k,
     "IQ4_NL": pack_iq4_nl, "IQ4_XS": pack_iq4_xs, "TQ1_0": pack_tq1_0, "TQ2_0": pack_tq2_0, "MXFP4": pack_mxfp4,
-    "NVFP4": pack_nvfp4,
+    "NVFP4": pack_nvfp4, "IQ3_XXS": pack_iq3_xxs, "IQ2_XXS": pack_iq2_xxs,
 }  # fmt: skip
 
 

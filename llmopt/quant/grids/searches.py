@@ -29,6 +29,7 @@ from llmopt.quant.grids.numerics import (
     rdiv,
     safe_div,
     seq_sum,
+    uint8_wrap,
 )
 
 
@@ -98,11 +99,13 @@ def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def _move_single_levels(x: torch.Tensor, w: torch.Tensor, L: torch.Tensor, sumlx: torch.Tensor, suml2: torch.Tensor,
-                        lo: int | None, hi: int, require_sl2_first: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                        lo: int | None, hi: int, require_sl2_first: bool,
+                        wrap: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Up to 5 passes over the elements in order, moving one level at a time to the value that
     best fits the others' least-squares scale, keeping a move only if it raises sumlx²/suml2.
     Updates L in place and returns the final (sumlx, suml2). make_q3_quants checks suml2 of the
-    move after it; make_qp_quants checks the remaining suml2 before it."""
+    move after it; make_qp_quants checks the remaining suml2 before it. `wrap`: L holds C's uint8
+    levels (a negative level stored modulo 256), while the sums take the new level as the int it is."""
     wx = w * x
     for _ in range(5):
         changed = torch.zeros_like(sumlx, dtype=torch.bool)
@@ -117,7 +120,7 @@ def _move_single_levels(x: torch.Tensor, w: torch.Tensor, L: torch.Tensor, sumlx
             accept = cand & (slx * slx * suml2 > sumlx * sumlx * sl2)
             if not require_sl2_first:
                 accept &= sl2 > 0
-            L[i] = torch.where(accept, new_l, L[i])
+            L[i] = torch.where(accept, uint8_wrap(new_l) if wrap else new_l, L[i])
             sumlx = torch.where(accept, slx, sumlx)
             suml2 = torch.where(accept, sl2, suml2)
             changed |= accept
@@ -188,8 +191,10 @@ def make_qkx_quants(
     return scale, -mn, L
 
 
-def make_qp_quants(x: torch.Tensor, nmax: int, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Levels in [0, nmax] for non-negative x (sub-block scales or mins) under importance weights."""
+def make_qp_quants(x: torch.Tensor, nmax: int, weights: torch.Tensor, wrap: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Levels in [0, nmax] for non-negative x (sub-block scales or mins) under importance weights.
+    `wrap`: x may hold negative values (IQ2_XXS's sign-flipped magnitude), whose negative levels C
+    stores in uint8 L modulo 256 (and then reads back so) while its sums use them as ints."""
     w = weights
     mx = positive_max(x, dim=0)
     zero = mx < GROUP_MAX_EPS
@@ -200,7 +205,8 @@ def make_qp_quants(x: torch.Tensor, nmax: int, weights: torch.Tensor) -> tuple[t
         return seq_sum(w * diff * diff)
 
     iscale = rdiv(float(nmax), mx_safe)
-    best = mse(rdiv(1.0, iscale), nearest_int(iscale * x))
+    first = nearest_int(iscale * x)
+    best = mse(rdiv(1.0, iscale), uint8_wrap(first) if wrap else first)
     for step in range(-4, 5):
         if step == 0:
             continue
@@ -213,7 +219,9 @@ def make_qp_quants(x: torch.Tensor, nmax: int, weights: torch.Tensor) -> tuple[t
     wx = w * x
     sumlx = seq_sum(wx * L)
     suml2 = seq_sum(w * L * L)
-    sumlx, suml2 = _move_single_levels(x, w, L, sumlx, suml2, None, nmax, require_sl2_first=True)
+    if wrap:
+        L = uint8_wrap(L)
+    sumlx, suml2 = _move_single_levels(x, w, L, sumlx, suml2, None, nmax, require_sl2_first=True, wrap=wrap)
     scale = torch.where(suml2 > 0, safe_div(sumlx, suml2), torch.zeros_like(sumlx))
     L = torch.where(zero, torch.zeros_like(L), L)
     return torch.where(zero, torch.zeros_like(scale), scale), L

@@ -51,3 +51,18 @@ def test_pipeline_into_a_gguf_file_that_llama_cpp_runs(tmp_path) -> None:
     # llama.cpp multiplies with activations rounded to 8 bits (its own kernels, per CPU): close, not equal
     assert (theirs - ours).abs().max() < 0.1 * ours.abs().max()
     assert (theirs.argmax(-1) == ours.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("type_name", ["IQ3_XXS", "IQ2_XXS"])
+def test_gptq_onto_a_lattice_grid(type_name: str) -> None:
+    """The lattice i-quants round a whole group at once, so within a block GPTQ keeps the block's own
+    search; its error still feeds the blocks after it: less Hessian-weighted error than the grid's
+    rounding with the same importance (diag H), and codes llama.cpp's format holds exactly."""
+    w, h = _problem()
+    grid = GRIDS[type_name]
+    qt = gptq_quantize(w, h, GPTQConfig(damp=0.01), type_name, grid=grid).tensor
+    ours = qt.dequantize()
+    theirs = torch.from_numpy(gguf.quants.dequantize(pack(qt), gguf.GGMLQuantizationType[type_name])).reshape(w.shape)
+    assert torch.equal(theirs, ours)
+    rtn = grid.quantize(w, torch.diagonal(h)).dequantize()
+    assert _hessian_error(w, ours, h) < 0.9 * _hessian_error(w, rtn, h)

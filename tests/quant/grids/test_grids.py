@@ -12,11 +12,14 @@ from llmopt.formats.gguf.blocks import pack
 from llmopt.quant.grids import GRIDS, quantize
 from tests.quant.grids.ggml_reference import ggml_quantize
 
-NEW_TYPES = ["IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4"]  # also checked on float32 denormals (`edge_weights`)
+NEW_TYPES = ["IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4", "IQ3_XXS", "IQ2_XXS"]  # also on denormals (`edge_weights`)
+NEEDS_IMATRIX = {"IQ2_XXS"}  # llama.cpp asserts (aborts) without one: we refuse with a one-line error
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", *NEW_TYPES]
 # relative RMS error of the grids whose codes are not plain b-bit integers (the others: by bits); ternary
 # with d = max|x| rounds most Gaussian weights to 0
-MAX_ERROR = {"IQ4_NL": 0.1, "IQ4_XS": 0.1, "TQ1_0": 0.85, "TQ2_0": 0.85, "MXFP4": 0.13, "NVFP4": 0.12}
+# (IQ2_XXS: 2 bits, weighted by a random imatrix that all but ignores most columns)
+MAX_ERROR = {"IQ4_NL": 0.1, "IQ4_XS": 0.1, "TQ1_0": 0.85, "TQ2_0": 0.85, "MXFP4": 0.13, "NVFP4": 0.12, "IQ3_XXS": 0.25,
+             "IQ2_XXS": 0.6}  # fmt: skip
 LEGACY = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 
 
@@ -61,7 +64,16 @@ def importance(kind: str, cols: int = 512) -> torch.Tensor | None:
     return torch.rand(cols, generator=g) ** 4 * 10  # a few channels dominate, as in real imatrices
 
 
+def usable_importance(type_name: str, kind: str) -> torch.Tensor | None:
+    """`importance(kind)`, or the random one where the type cannot do without."""
+    return importance("random" if kind == "none" and type_name in NEEDS_IMATRIX else kind)
+
+
 def assert_same_bytes_as_llama_cpp(type_name: str, w: torch.Tensor, imp: torch.Tensor | None) -> None:
+    if imp is None and type_name in NEEDS_IMATRIX:  # llama.cpp would abort the process: check our refusal
+        with pytest.raises(InputError, match=f"^{type_name} needs an importance matrix[^\n]*$"):
+            quantize(type_name, w)
+        return
     ref = ggml_quantize(type_name, w.numpy(), None if imp is None else imp.numpy())
     ours = pack(quantize(type_name, w, imp))
     assert ours.shape == ref.shape
@@ -92,7 +104,7 @@ def test_legacy_bytes_match_gguf_package(type_name: str) -> None:
 @pytest.mark.parametrize("type_name", TYPES)
 def test_dequantize_equals_gguf_package(type_name: str, imatrix: str) -> None:
     w = weights(rows=16, seed=3)
-    qt = quantize(type_name, w, importance(imatrix))
+    qt = quantize(type_name, w, usable_importance(type_name, imatrix))
     theirs = gguf.quants.dequantize(pack(qt), gguf.GGMLQuantizationType[type_name])
     assert np.array_equal(qt.dequantize().numpy(), theirs.reshape(w.shape))
 
@@ -100,7 +112,7 @@ def test_dequantize_equals_gguf_package(type_name: str, imatrix: str) -> None:
 @pytest.mark.parametrize("type_name", TYPES)
 def test_quantized_tensor_contract(type_name: str) -> None:
     w = weights(rows=24, seed=4)
-    qt = quantize(type_name, w)
+    qt = quantize(type_name, w, usable_importance(type_name, "none"))
     assert qt.grid == type_name and qt.shape == tuple(w.shape)
     assert int(qt.codes.max()) < 2**qt.bits
     assert qt.scales.shape[1] * qt.group_size == w.shape[1]
@@ -116,3 +128,27 @@ def test_rejects_rows_that_do_not_fill_blocks() -> None:
     with pytest.raises(InputError):
         quantize("IQ2_XS", torch.zeros(4, 256))
     assert set(GRIDS) == set(TYPES)
+
+
+@pytest.mark.parametrize("type_name", ["IQ3_XXS", "IQ2_XXS"])
+def test_lattice_reads_back_as_the_gguf_packages_grid(type_name: str) -> None:
+    """Our point list (llama.cpp's search grid) with its read-back levels is gguf's dequantization grid."""
+    from llmopt.quant.grids.iq_lattice import IQ2_XXS_LATTICE, IQ3_XXS_LATTICE
+
+    lattice = {"IQ3_XXS": IQ3_XXS_LATTICE, "IQ2_XXS": IQ2_XXS_LATTICE}[type_name]
+    quant = gguf.quants._type_traits[gguf.GGMLQuantizationType[type_name]]
+    quant.init_grid()
+    assert np.array_equal(lattice.read_values.numpy(), quant.grid.reshape(lattice.read_values.shape))
+
+
+def test_lattice_neighbour_lists() -> None:
+    """Every off-lattice key's candidates are the points at its two smallest distances, nearest first."""
+    from llmopt.quant.grids.iq_lattice import IQ3_XXS_LATTICE as lat
+
+    for key in (1, 7, 100, 4095):
+        assert lat.index_of_key[key] < 0
+        pos = 2 * lat.keys[key] + 1
+        d2 = ((2 * lat.coords + 1 - pos) ** 2).sum(axis=1)
+        two = np.unique(d2)[:2]
+        cand = [int(c) for c in lat.neighbours[key] if c >= 0]
+        assert cand == sorted(np.flatnonzero(np.isin(d2, two)).tolist(), key=lambda j: (d2[j], j))

@@ -1,0 +1,234 @@
+"""IQ3_XXS and IQ2_XXS: groups of magnitudes rounded onto a lattice codebook, signs stored apart.
+
+    IQ3_XXS: 256-element super-blocks, fp16 d; per 32: 8 indices of 4-value points, 4×7 sign bits,
+             a 4-bit scale l (98 bytes / 256, 3.06 bpw): w = d·(0.5 + l)·0.5 · grid·sign
+    IQ2_XXS: the same with 4 indices of 8-value points (66 bytes / 256, 2.06 bpw), w = d·(0.5 + l)·0.25 · grid·sign
+
+Eight signs are stored as seven: the eighth makes the count of negatives even, so before rounding
+llama.cpp flips the sign of the least important value of a group with an odd count. Then, per
+32-sub-block (quantize_row_iq3_xxs_impl / quantize_row_iq2_xxs_impl in ggml-quants.c), it tries
+31 (IQ3) or 13 (IQ2) inverse scales; each rounds every coordinate to its nearest level, takes the
+lattice point of each group (`lattice.Lattice`: the point itself, or the best of its neighbours
+under the weighted error) and wins when its Σwqx² / Σwq² beats the best so far; groups that were
+off the lattice (IQ3) or all groups (IQ2) are rounded once more against the winning scale, which is
+refitted. IQ2's trials centre on make_qp_quants' scale. The super-block's d = max scale / 31 (IQ3
+stores it ×1.0125) and l rounds each scale to d·(2l + 1)/2. Weights are x² or imatrix·sqrt(σ² + x²),
+σ² = Σx²/256 (IQ3: twice that); IQ2_XXS needs the imatrix, as in llama.cpp.
+
+All of it runs vectorized over the sub-blocks of a chunk of rows, in llama.cpp's float32 operation
+order. Codes in the QuantizedTensor are the read-back values ±grid + 128 (`bits` 8, symmetric) and
+scales d·(0.5 + l)·0.5 (0.25), so (code - 128)·scale is exactly gguf's dequantization; the packer
+finds each group's point and sign bits from the codes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmopt.errors import InputError
+from llmopt.quant.grids.codebooks import IQ2_XXS_KGRID, IQ2_XXS_LEVELS, IQ3_XXS_KGRID, IQ3_XXS_LEVELS
+from llmopt.quant.grids.lattice import Lattice
+from llmopt.quant.grids.layout import QK_K, BlockGrid, BlockParams, importance_major, per_block, superblock_sum_x2, to_rows
+from llmopt.quant.grids.numerics import blocks_major, c_float, c_sqrt, c_step, positive_max, rdiv, safe_div, seq_sum
+from llmopt.quant.grids.searches import make_qp_quants
+from llmopt.quantized_tensor import QuantizedTensor
+
+SUB = 32  # elements per scale
+SIGN_GROUP = 8  # signs are stored 7 per 8 values
+CODE_OFFSET = 128  # codes are ±value + 128
+N_SUB = QK_K // SUB
+
+IQ3_XXS_LATTICE = Lattice(IQ3_XXS_KGRID, dims=4, bits=3, nwant=2, levels=IQ3_XXS_LEVELS)
+IQ2_XXS_LATTICE = Lattice(IQ2_XXS_KGRID, dims=8, bits=2, nwant=2, levels=IQ2_XXS_LEVELS)
+
+
+def imatrix_required(type_name: str) -> InputError:
+    return InputError(f"{type_name} needs an importance matrix (--imatrix): llama.cpp refuses to quantize it without one")
+
+
+def sign_bits(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """|x| with the least important value of each odd-signed group of 8 negated, and the 7 stored sign
+    bits per group: x, weight [32, S] -> (xval [32, S], signs [4, S] int64)."""
+    xval = torch.where(x >= 0, x, -x)  # C keeps -0 as it is (-0 >= 0)
+    neg = (x < 0).reshape(-1, SIGN_GROUP, x.shape[1])  # [4, 8, S]
+    bit = (1 << torch.arange(SIGN_GROUP, dtype=torch.int64))[None, :, None]
+    s = (neg.to(torch.int64) * bit).sum(dim=1)
+    odd = neg.sum(dim=1) % 2 == 1
+    if bool(odd.any()):
+        imin = (weight * x * x).reshape(neg.shape).argmin(dim=1)  # the first least w·x² of the group
+        flip = torch.zeros(neg.shape, dtype=torch.bool).scatter_(1, imin[:, None], odd[:, None])
+        xval = torch.where(flip.reshape(x.shape), -xval, xval)
+        s = s ^ torch.where(odd, 1 << imin, 0)
+    return xval, s & 127
+
+
+def stored_sign_mask(signs: torch.Tensor) -> torch.Tensor:
+    """The 8 signs the reader gets from 7 stored bits (ksigns_iq2xs: the 8th evens the count), bool [..., 8]."""
+    bits = (signs[..., None] >> torch.arange(7)) & 1
+    parity = bits.sum(dim=-1, keepdim=True) % 2
+    return torch.cat([bits, parity], dim=-1).bool()
+
+
+@dataclass(frozen=True)
+class LatticeGrid(BlockGrid):
+    """IQ3_XXS or IQ2_XXS (see the module docstring for what differs)."""
+
+    name: str
+    lattice: Lattice
+    trials: int  # inverse scales tried: is = -trials..trials
+    trial_step: float
+    eps: float  # a sub-block whose largest magnitude is below this is stored as zeros
+    sigma_factor: float  # σ² = sigma_factor·Σx²/256
+    read_factor: float  # the reader's scale is d·(0.5 + l)·read_factor
+    d_fudge: float  # the stored d is d·d_fudge (IQ3_XXS)
+    needs_imatrix: bool
+    block: int = QK_K
+    bits: int = 8
+
+    @property
+    def nmax(self) -> int:
+        return self.lattice.nlevels
+
+    def quantize(self, weight: torch.Tensor, importance: torch.Tensor | None = None) -> QuantizedTensor:
+        if importance is None and self.needs_imatrix:
+            raise imatrix_required(self.name)
+        return super().quantize(weight, importance)
+
+    def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        if importance is None and self.needs_imatrix:
+            raise imatrix_required(self.name)
+        rows = w.shape[0]
+        x = blocks_major(w, SUB)  # [32, S]
+        if importance is None:
+            weight = x * x
+        else:
+            sigma2 = per_block(superblock_sum_x2(w) * (self.sigma_factor / QK_K), N_SUB)
+            weight = importance_major(importance, rows, SUB) * c_sqrt(sigma2 + x * x)
+        waux = c_sqrt(weight)
+        xval, signs = sign_bits(x, weight)
+        scale, L, active, signs = self._sub_block_search(xval, weight, waux, signs)
+        return self._fields(scale, L, active, signs, rows)
+
+    def _sub_block_search(self, xval: torch.Tensor, weight: torch.Tensor, waux: torch.Tensor,
+                          signs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        mx = xval.amax(dim=0)
+        active = mx >= c_float(self.eps)  # C: max < 1e-8f (1e-15f) skips
+        if self.d_fudge != 1.0:  # IQ3_XXS: trials around 15/max, starting from scale max/15
+            base, top = mx, 2 * self.nmax - 1
+            scale = mx / torch.full_like(mx, float(top))
+        else:  # IQ2_XXS: trials around make_qp_quants' scale
+            qp_scale, _ = make_qp_quants(xval, self.nmax + 1, weight, wrap=True)
+            base, top = qp_scale * float(self.nmax), 2 * self.nmax - 1
+            active &= base > 0
+            scale = qp_scale
+        base = torch.where(active, base, torch.ones_like(base))
+        groups = SUB // self.lattice.dims
+        L = torch.zeros_like(xval)
+        on_grid = torch.ones(groups, xval.shape[1], dtype=torch.bool)
+        best = torch.zeros_like(mx)
+        for step in range(-self.trials, self.trials + 1):
+            inv = rdiv(c_step(top, self.trial_step, step), base)
+            levels, off = self._round(xval, waux, inv, rdiv(1.0, inv), None)
+            sumqx, sumq2 = self._sums(weight, xval, levels)
+            better = active & (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
+            scale = torch.where(better, safe_div(sumqx, sumq2), scale)
+            best = torch.where(better, scale * sumqx, best)
+            L = torch.where(better, levels, L)
+            on_grid = torch.where(better, ~off, on_grid)
+        redo = active & (scale > 0)
+        if self.d_fudge != 1.0:
+            redo &= (~on_grid).any(dim=0)
+            regroup = ~on_grid & redo
+        else:
+            regroup = redo.expand(groups, -1)
+        if bool(redo.any()):
+            safe_scale = torch.where(redo, scale, torch.ones_like(scale))
+            levels, _ = self._round(xval, waux, rdiv(1.0, safe_scale), safe_scale, regroup)
+            L = torch.where(regroup.repeat_interleave(self.lattice.dims, dim=0), levels, L)
+            sumqx, sumq2 = self._sums(weight, xval, L)
+            scale = torch.where(redo & (sumq2 > 0), safe_div(sumqx, sumq2), scale)
+        flipped = scale < 0  # "should never happen" in llama.cpp: positive scale, every sign flipped
+        scale = torch.where(flipped, -scale, scale)
+        signs = torch.where(flipped, ~signs & 127, signs)
+        return torch.where(active, scale, torch.zeros_like(scale)), L, active, signs
+
+    def _round(self, xval: torch.Tensor, waux: torch.Tensor, inv: torch.Tensor, scale: torch.Tensor,
+               only: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Every group's lattice point at inverse scale `inv` (neighbours judged at `scale`): the levels
+        [32, S] and which groups were off the lattice [groups, S]. `only`: search just these groups."""
+        lat = self.lattice
+        levels = torch.round((inv * xval - 1.0) * 0.5).clamp_(0, self.nmax - 1)
+        grouped = levels.reshape(-1, lat.dims, levels.shape[1]).permute(0, 2, 1)  # [groups, S, dims]
+        keys = lat.key(grouped)
+        index = lat.index_of_key[keys]
+        off = index < 0
+        search = off if only is None else off & only
+        if bool(search.any()):
+            g, s = search.nonzero(as_tuple=True)
+            xg = xval.reshape(-1, lat.dims, xval.shape[1])
+            wg = waux.reshape(-1, lat.dims, waux.shape[1])
+            index[g, s] = lat.best_neighbour(keys[g, s], xg[g, :, s], wg[g, :, s], scale.expand_as(xval[0])[s])
+        index = index.clamp(min=0)
+        coords = torch.from_numpy(lat.coords)[index].to(torch.float32)  # [groups, S, dims]
+        return coords.permute(0, 2, 1).reshape(xval.shape), off
+
+    @staticmethod
+    def _sums(weight: torch.Tensor, xval: torch.Tensor, levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = levels * 2.0 + 1.0
+        wq = weight * q
+        return seq_sum(weight * xval * q).add_(0.0), seq_sum(wq * q).add_(0.0)  # C's sums start at +0
+
+    def _fields(self, scale: torch.Tensor, L: torch.Tensor, active: torch.Tensor, signs: torch.Tensor,
+                rows: int) -> dict[str, torch.Tensor]:  # fmt: skip
+        lat = self.lattice
+        max_scale = positive_max(scale.reshape(-1, N_SUB), dim=1)
+        live = max_scale > 0
+        d = max_scale / torch.full_like(max_scale, 31.0)
+        inv = rdiv(1.0, torch.where(live, d, torch.ones_like(d)))
+        sc = torch.round((per_block(inv, N_SUB) * scale - 1.0) * 0.5).clamp_(0, 15)
+        keep = active & per_block(live, N_SUB)  # sub-blocks whose points and signs are stored
+        sc = torch.where(per_block(live, N_SUB), sc, torch.zeros_like(sc))
+        d_stored = torch.where(live, d * torch.tensor(self.d_fudge) if self.d_fudge != 1.0 else d, torch.zeros_like(d)).to(torch.float16)
+        grouped = L.reshape(-1, lat.dims, L.shape[1]).permute(0, 2, 1)
+        index = torch.where(keep, lat.index_of_key[lat.key(grouped)], 0)
+        if bool((index < 0).any()):
+            raise AssertionError(f"{self.name}: a rounded group is not a lattice point")
+        values = lat.read_values[index]  # [groups, S, dims]
+        signs = torch.where(keep, signs, 0)
+        negative = stored_sign_mask(signs.t())  # [S, 4, 8]
+        values = values.permute(1, 0, 2).reshape(-1, SUB)  # [S, 32] in element order
+        codes = torch.where(negative.reshape(-1, SUB), -values, values) + CODE_OFFSET
+        return {
+            "codes": codes.reshape(rows, -1).to(torch.uint8),
+            "d": d_stored.reshape(rows, -1),
+            "sc": to_rows(sc[None], rows).to(torch.uint8),
+        }
+
+    def assemble(self, out: dict[str, torch.Tensor]) -> QuantizedTensor:
+        d = out["d"].to(torch.float32).repeat_interleave(N_SUB, dim=1)
+        scales = d * (out["sc"].to(torch.float32) + 0.5) * self.read_factor
+        aux = {"d": out["d"], "sc": out["sc"]}
+        return QuantizedTensor(codes=out["codes"], scales=scales, bits=8, group_size=SUB, grid=self.name, aux=aux)
+
+    # error feedback: a lattice group cannot be rounded one column at a time, so within a block the
+    # codes are those of the block's own search (`choose`, on the weights as they stand when the block
+    # starts); the error of each column still feeds the blocks after it
+    def choose(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> BlockParams:
+        fields = self.chunk(w.to(torch.float32).contiguous(), importance)
+        qt = self.assemble(fields)
+        kept = {"d": fields["d"], "sc": fields["sc"], "chosen": fields["codes"]}
+        return BlockParams(kept, qt.scales, -float(CODE_OFFSET) * qt.scales, SUB)
+
+    def round(self, x: torch.Tensor, p: BlockParams, j: int) -> torch.Tensor:
+        return p.fields["chosen"][:, j].to(torch.float32)
+
+    def value(self, q: torch.Tensor, p: BlockParams, j: int) -> torch.Tensor:
+        return p.scale[:, j // p.sub] * (q - CODE_OFFSET)
+
+
+IQ3_XXS = LatticeGrid("IQ3_XXS", IQ3_XXS_LATTICE, trials=15, trial_step=0.2, eps=1e-8, sigma_factor=2.0,
+                      read_factor=0.5, d_fudge=1.0125, needs_imatrix=False)  # fmt: skip
+IQ2_XXS = LatticeGrid("IQ2_XXS", IQ2_XXS_LATTICE, trials=6, trial_step=0.1, eps=1e-15, sigma_factor=1.0,
+                      read_factor=0.25, d_fudge=1.0, needs_imatrix=True)  # fmt: skip

@@ -1,0 +1,115 @@
+"""The lattice codebooks of the IQ2/IQ3 i-quants: grid points, the map onto them, nearest neighbours.
+
+An IQ2/IQ3 group of `dims` magnitudes (8 for IQ2, 4 for IQ3) is stored as the index of one point of a
+small codebook (256 of the 3^8 or 8^4 level combinations, picked by llama.cpp from the E8 / D4-like
+lattice). llama.cpp's search (iq2xs_init_impl / iq3xs_init_impl in ggml-quants.c) rounds each
+coordinate to its nearest level l, reads the combination's point from a map, and for a combination
+that is not a point, compares the points at the `nwant` smallest integer distances (ordered by
+distance, then index: the first of equal weighted errors wins). We build the same map and
+neighbour lists from the stored point list (`codebooks`), once per type, on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+NEIGHBOUR_WIDTHS = (8, 16, 32, 64)  # candidate-list widths the search pads to (then the widest)
+
+
+class Lattice:
+    """A codebook of `len(kgrid)` points of `dims` coordinates, `bits` bits each (point p's coordinate
+    i is level (p >> bits·i) & mask, standing for 2l + 1 in the search and `levels[l]` when read)."""
+
+    def __init__(self, kgrid: tuple[int, ...], dims: int, bits: int, nwant: int, levels: tuple[int, ...]) -> None:
+        self.kgrid, self.dims, self.bits, self.nwant = kgrid, dims, bits, nwant
+        self.levels = levels  # what a level reads back as (ggml-common.h's grids)
+        self.nlevels = len(levels)
+
+    @functools.cached_property
+    def coords(self) -> np.ndarray:
+        """Level l of every point's coordinates, [points, dims]."""
+        keys = np.asarray(self.kgrid, dtype=np.int64)
+        shifts = self.bits * np.arange(self.dims)
+        return ((keys[:, None] >> shifts) & ((1 << self.bits) - 1)).astype(np.int64)
+
+    @functools.cached_property
+    def points(self) -> torch.Tensor:
+        """The search's values 2l + 1 of every point, float32 [points, dims]."""
+        return torch.from_numpy(2 * self.coords + 1).to(torch.float32)
+
+    @functools.cached_property
+    def keys(self) -> np.ndarray:
+        """Every key a search can form (coordinates below `nlevels`), as its coordinates [keys, dims]."""
+        size = 1 << (self.bits * self.dims)
+        keys = np.arange(size, dtype=np.int64)
+        return (keys[:, None] >> (self.bits * np.arange(self.dims))) & ((1 << self.bits) - 1)
+
+    @functools.cached_property
+    def index_of_key(self) -> torch.Tensor:
+        """The point of each key, -1 where the key is not a point (llama.cpp's kmap), int64 [2^(bits·dims)]."""
+        table = np.full(1 << (self.bits * self.dims), -1, dtype=np.int64)
+        table[np.asarray(self.kgrid, dtype=np.int64)] = np.arange(len(self.kgrid))
+        return torch.from_numpy(table)
+
+    @functools.cached_property
+    def neighbours(self) -> torch.Tensor:
+        """For every key, the candidate points when it is not a point itself: all points at the `nwant`
+        smallest squared distances of 2l + 1 coordinates, by (distance, index), padded with -1.
+        int16 [keys, most candidates] (an on-grid key's row is unused)."""
+        reachable = np.flatnonzero((self.keys < self.nlevels).all(axis=1))  # keys of levels 0..nlevels-1
+        pos = 2 * self.keys[reachable] + 1  # [keys, dims]
+        grid = 2 * self.coords + 1  # [points, dims]
+        d2 = np.zeros((len(pos), len(grid)), dtype=np.int32)
+        for i in range(self.dims):
+            d2 += (grid[None, :, i] - pos[:, None, i]).astype(np.int32) ** 2
+        order = np.argsort(d2, axis=1, kind="stable")  # ties by point index, as llama.cpp's compare
+        ranked = np.take_along_axis(d2, order, axis=1)
+        distinct = np.cumsum(np.diff(ranked, axis=1, prepend=ranked[:, :1]) > 0, axis=1)  # 0 for the nearest
+        keep = distinct < self.nwant
+        width = int(keep.sum(axis=1).max())
+        table = np.full((len(self.keys), width), -1, dtype=np.int16)
+        table[reachable] = np.where(keep[:, :width], order[:, :width], -1)
+        return torch.from_numpy(table)
+
+    @functools.cached_property
+    def neighbour_counts(self) -> torch.Tensor:
+        return (self.neighbours >= 0).sum(dim=1)
+
+    @functools.cached_property
+    def read_values(self) -> torch.Tensor:
+        """What every point's coordinates read back as (ggml-common.h's grid), float32 [points, dims]."""
+        return torch.tensor(self.levels, dtype=torch.float32)[torch.from_numpy(self.coords)]
+
+    def key(self, levels: torch.Tensor) -> torch.Tensor:
+        """The key of level groups [..., dims] (integer-valued floats): Σ l_i << bits·i."""
+        weights = torch.tensor([1 << (self.bits * i) for i in range(self.dims)], dtype=torch.int64)
+        return (levels.to(torch.int64) * weights).sum(dim=-1)
+
+    def best_neighbour(self, keys: torch.Tensor, xval: torch.Tensor, waux: torch.Tensor,
+                       scale: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """llama.cpp's iq2/iq3_find_best_neighbour for off-grid groups: among a key's candidates, the
+        first with the least Σ waux·(scale·q - x)·(scale·q - x), summed in coordinate order in float32.
+        keys [n], xval/waux [n, dims], scale [n] -> point index [n]."""
+        best = torch.empty(keys.shape, dtype=torch.int64)
+        counts = self.neighbour_counts[keys]
+        lower = 0
+        for upper in (*NEIGHBOUR_WIDTHS, self.neighbours.shape[1]):  # few candidates for most keys: pad per bucket
+            sel = ((counts > lower) & (counts <= upper)).nonzero()[:, 0]
+            lower = upper
+            if len(sel):
+                best[sel] = self._best_of(self.neighbours[keys[sel], :upper].to(torch.int64), xval[sel], waux[sel], scale[sel])
+        return best
+
+    def _best_of(self, cand: torch.Tensor, xval: torch.Tensor, waux: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        valid = cand >= 0
+        q = self.points[cand.clamp(min=0)]  # [n, width, dims]
+        d2 = torch.zeros(cand.shape, dtype=torch.float32)
+        s = scale[:, None]
+        for i in range(self.dims):
+            diff = (s * q[:, :, i]).sub_(xval[:, None, i])
+            d2.add_(diff.mul(waux[:, None, i]).mul_(diff))
+        d2 = torch.where(valid, d2, torch.full_like(d2, torch.inf))
+        return cand.gather(1, d2.argmin(dim=1, keepdim=True))[:, 0]

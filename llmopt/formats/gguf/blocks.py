@@ -14,7 +14,7 @@ import torch
 from llmopt.errors import InputError
 from llmopt.quant.grids.fp4 import INDEX_OF_CODE as FP4_INDEX_OF_CODE
 from llmopt.quant.grids.iq4 import IQ4_LEVELS
-from llmopt.quant.grids.iq_lattice import IQ2_XXS_LATTICE, IQ3_XXS_LATTICE
+from llmopt.quant.grids.iq_lattice import IQ2_XS_LATTICE, IQ2_XXS_LATTICE, IQ3_XXS_LATTICE
 from llmopt.quant.grids.lattice import Lattice
 from llmopt.quant.grids.ternary import ZERO_CODE
 from llmopt.quantized_tensor import QuantizedTensor
@@ -194,17 +194,17 @@ def pack_nvfp4(qt: QuantizedTensor) -> torch.Tensor:
 
 
 def _lattice_fields(qt: QuantizedTensor, lattice: Lattice) -> tuple[torch.Tensor, torch.Tensor]:
-    """IQ2/IQ3 codes (±value + 128) -> each group's point index [n, groups per 32] and the 7 stored sign
-    bits of each 8 [n, 4] (per 32-sub-block); refuses codes off the lattice or with an odd sign count."""
-    v = qt.codes.to(torch.int64).reshape(-1, 32) - 128
+    """IQ2/IQ3 codes (±value + 128) -> every group's point index [groups] and the 7 stored sign bits of
+    every 8 values [values/8], in element order; refuses codes off the lattice or with an odd sign count."""
+    v = qt.codes.to(torch.int64).reshape(-1, 8) - 128
     level_of = torch.full((256,), -1, dtype=torch.int64)
     level_of[torch.tensor(lattice.levels)] = torch.arange(lattice.nlevels)
-    levels = level_of[v.abs()].reshape(v.shape[0], -1, lattice.dims)
+    levels = level_of[v.abs()].reshape(-1, lattice.dims)
     index = lattice.index_of_key[lattice.key(levels.clamp(min=0))]
-    negative = (v < 0).reshape(-1, 4, 8).to(torch.int64)
+    negative = (v < 0).to(torch.int64)
     if bool((levels < 0).any() | (index < 0).any() | (negative.sum(dim=-1) % 2 == 1).any()):
         raise InputError(f"{qt.grid} codes that are not points of its lattice with an even count of signs")
-    signs = (negative * (1 << torch.arange(7 + 1))).sum(dim=-1) & 127
+    signs = (negative * (1 << torch.arange(8))).sum(dim=-1) & 127
     return index, signs
 
 
@@ -219,16 +219,23 @@ def _scales_and_signs(signs: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
 
 
 def pack_iq3_xxs(qt: QuantizedTensor) -> torch.Tensor:
-    index, signs = _lattice_fields(qt, IQ3_XXS_LATTICE)  # [n·8, 8], [n·8, 4]
-    aux = _scales_and_signs(signs, qt.aux["sc"].reshape(-1)).reshape(-1, 8)
+    index, signs = _lattice_fields(qt, IQ3_XXS_LATTICE)
+    aux = _scales_and_signs(signs.reshape(-1, 4), qt.aux["sc"].reshape(-1)).reshape(-1, 8)
     return torch.cat([_half_bytes(qt.aux["d"].reshape(-1)), index.reshape(-1, 64).to(torch.uint8), _u32_bytes(aux)], dim=1)
 
 
 def pack_iq2_xxs(qt: QuantizedTensor) -> torch.Tensor:
-    index, signs = _lattice_fields(qt, IQ2_XXS_LATTICE)  # [n·8, 4], [n·8, 4]
-    aux = _scales_and_signs(signs, qt.aux["sc"].reshape(-1))
-    pairs = torch.cat([index.to(torch.uint8), _u32_bytes(aux[:, None])], dim=1)  # per sub-block: 4 indices, then the uint32
+    index, signs = _lattice_fields(qt, IQ2_XXS_LATTICE)
+    aux = _scales_and_signs(signs.reshape(-1, 4), qt.aux["sc"].reshape(-1))
+    pairs = torch.cat([index.reshape(-1, 4).to(torch.uint8), _u32_bytes(aux[:, None])], dim=1)  # per 32: 4 indices, the uint32
     return torch.cat([_half_bytes(qt.aux["d"].reshape(-1)), pairs.reshape(-1, 64)], dim=1)
+
+
+def pack_iq2_xs(qt: QuantizedTensor) -> torch.Tensor:
+    index, signs = _lattice_fields(qt, IQ2_XS_LATTICE)
+    qs = (index | (signs << 9)).reshape(-1, 32).to(torch.int16).view(torch.uint8).reshape(-1, 64)  # uint16: 9-bit point, 7 signs
+    sc = _u8(qt.aux["sc"]).reshape(-1, 8, 2)
+    return torch.cat([_half_bytes(qt.aux["d"].reshape(-1)), qs, _nibbles(sc[:, :, 0], sc[:, :, 1])], dim=1)
 
 
 PACKERS = {
@@ -236,6 +243,7 @@ PACKERS = {
     "Q2_K": pack_q2_k, "Q3_K": pack_q3_k, "Q4_K": pack_q4_k, "Q5_K": pack_q5_k, "Q6_K": pack_q6_k,
     "IQ4_NL": pack_iq4_nl, "IQ4_XS": pack_iq4_xs, "TQ1_0": pack_tq1_0, "TQ2_0": pack_tq2_0, "MXFP4": pack_mxfp4,
     "NVFP4": pack_nvfp4, "IQ3_XXS": pack_iq3_xxs, "IQ2_XXS": pack_iq2_xxs,
+    "IQ2_XS": pack_iq2_xs,
 }  # fmt: skip
 
 

@@ -28,20 +28,19 @@ from dataclasses import dataclass
 import torch
 
 from llmopt.errors import InputError
-from llmopt.quant.grids.codebooks import IQ2_XXS_KGRID, IQ2_XXS_LEVELS, IQ3_XXS_KGRID, IQ3_XXS_LEVELS
+from llmopt.quant.grids.codebooks import IQ2_LEVELS, IQ2_XS_KGRID, IQ2_XXS_KGRID, IQ3_XXS_KGRID, IQ3_XXS_LEVELS
 from llmopt.quant.grids.lattice import Lattice
 from llmopt.quant.grids.layout import QK_K, BlockGrid, BlockParams, importance_major, per_block, superblock_sum_x2, to_rows
 from llmopt.quant.grids.numerics import blocks_major, c_float, c_sqrt, c_step, positive_max, rdiv, safe_div, seq_sum
 from llmopt.quant.grids.searches import make_qp_quants
 from llmopt.quantized_tensor import QuantizedTensor
 
-SUB = 32  # elements per scale
 SIGN_GROUP = 8  # signs are stored 7 per 8 values
 CODE_OFFSET = 128  # codes are ±value + 128
-N_SUB = QK_K // SUB
 
 IQ3_XXS_LATTICE = Lattice(IQ3_XXS_KGRID, dims=4, bits=3, nwant=2, levels=IQ3_XXS_LEVELS)
-IQ2_XXS_LATTICE = Lattice(IQ2_XXS_KGRID, dims=8, bits=2, nwant=2, levels=IQ2_XXS_LEVELS)
+IQ2_XXS_LATTICE = Lattice(IQ2_XXS_KGRID, dims=8, bits=2, nwant=2, levels=IQ2_LEVELS)
+IQ2_XS_LATTICE = Lattice(IQ2_XS_KGRID, dims=8, bits=2, nwant=2, levels=IQ2_LEVELS)
 
 
 def imatrix_required(type_name: str) -> InputError:
@@ -50,7 +49,7 @@ def imatrix_required(type_name: str) -> InputError:
 
 def sign_bits(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """|x| with the least important value of each odd-signed group of 8 negated, and the 7 stored sign
-    bits per group: x, weight [32, S] -> (xval [32, S], signs [4, S] int64)."""
+    bits per group: x, weight [n, S] -> (xval [n, S], signs [n/8, S] int64)."""
     xval = torch.where(x >= 0, x, -x)  # C keeps -0 as it is (-0 >= 0)
     neg = (x < 0).reshape(-1, SIGN_GROUP, x.shape[1])  # [4, 8, S]
     bit = (1 << torch.arange(SIGN_GROUP, dtype=torch.int64))[None, :, None]
@@ -77,6 +76,8 @@ class LatticeGrid(BlockGrid):
 
     name: str
     lattice: Lattice
+    sub: int  # elements per 4-bit scale
+    qp_centre: bool  # trials centre on make_qp_quants' scale and re-round every group (IQ2_XXS)
     trials: int  # inverse scales tried: is = -trials..trials
     trial_step: float
     eps: float  # a sub-block whose largest magnitude is below this is stored as zeros
@@ -100,12 +101,12 @@ class LatticeGrid(BlockGrid):
         if importance is None and self.needs_imatrix:
             raise imatrix_required(self.name)
         rows = w.shape[0]
-        x = blocks_major(w, SUB)  # [32, S]
+        x = blocks_major(w, self.sub)  # [sub, S]
         if importance is None:
             weight = x * x
         else:
-            sigma2 = per_block(superblock_sum_x2(w) * (self.sigma_factor / QK_K), N_SUB)
-            weight = importance_major(importance, rows, SUB) * c_sqrt(sigma2 + x * x)
+            sigma2 = per_block(superblock_sum_x2(w) * (self.sigma_factor / QK_K), QK_K // self.sub)
+            weight = importance_major(importance, rows, self.sub) * c_sqrt(sigma2 + x * x)
         waux = c_sqrt(weight)
         xval, signs = sign_bits(x, weight)
         scale, L, active, signs = self._sub_block_search(xval, weight, waux, signs)
@@ -115,7 +116,7 @@ class LatticeGrid(BlockGrid):
                           signs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
         mx = xval.amax(dim=0)
         active = mx >= c_float(self.eps)  # C: max < 1e-8f (1e-15f) skips
-        if self.d_fudge != 1.0:  # IQ3_XXS: trials around 15/max, starting from scale max/15
+        if not self.qp_centre:  # trials around (2·nmax - 1)/max, starting from scale max/(2·nmax - 1)
             base, top = mx, 2 * self.nmax - 1
             scale = mx / torch.full_like(mx, float(top))
         else:  # IQ2_XXS: trials around make_qp_quants' scale
@@ -124,7 +125,7 @@ class LatticeGrid(BlockGrid):
             active &= base > 0
             scale = qp_scale
         base = torch.where(active, base, torch.ones_like(base))
-        groups = SUB // self.lattice.dims
+        groups = self.sub // self.lattice.dims
         L = torch.zeros_like(xval)
         on_grid = torch.ones(groups, xval.shape[1], dtype=torch.bool)
         best = torch.zeros_like(mx)
@@ -138,7 +139,7 @@ class LatticeGrid(BlockGrid):
             L = torch.where(better, levels, L)
             on_grid = torch.where(better, ~off, on_grid)
         redo = active & (scale > 0)
-        if self.d_fudge != 1.0:
+        if not self.qp_centre:
             redo &= (~on_grid).any(dim=0)
             regroup = ~on_grid & redo
         else:
@@ -182,14 +183,14 @@ class LatticeGrid(BlockGrid):
 
     def _fields(self, scale: torch.Tensor, L: torch.Tensor, active: torch.Tensor, signs: torch.Tensor,
                 rows: int) -> dict[str, torch.Tensor]:  # fmt: skip
-        lat = self.lattice
-        max_scale = positive_max(scale.reshape(-1, N_SUB), dim=1)
+        lat, n_sub = self.lattice, QK_K // self.sub
+        max_scale = positive_max(scale.reshape(-1, n_sub), dim=1)
         live = max_scale > 0
         d = max_scale / torch.full_like(max_scale, 31.0)
         inv = rdiv(1.0, torch.where(live, d, torch.ones_like(d)))
-        sc = torch.round((per_block(inv, N_SUB) * scale - 1.0) * 0.5).clamp_(0, 15)
-        keep = active & per_block(live, N_SUB)  # sub-blocks whose points and signs are stored
-        sc = torch.where(per_block(live, N_SUB), sc, torch.zeros_like(sc))
+        sc = torch.round((per_block(inv, n_sub) * scale - 1.0) * 0.5).clamp_(0, 15)
+        keep = active & per_block(live, n_sub)  # sub-blocks whose points and signs are stored
+        sc = torch.where(per_block(live, n_sub), sc, torch.zeros_like(sc))
         d_stored = torch.where(live, d * torch.tensor(self.d_fudge) if self.d_fudge != 1.0 else d, torch.zeros_like(d)).to(torch.float16)
         grouped = L.reshape(-1, lat.dims, L.shape[1]).permute(0, 2, 1)
         index = torch.where(keep, lat.index_of_key[lat.key(grouped)], 0)
@@ -197,9 +198,9 @@ class LatticeGrid(BlockGrid):
             raise AssertionError(f"{self.name}: a rounded group is not a lattice point")
         values = lat.read_values[index]  # [groups, S, dims]
         signs = torch.where(keep, signs, 0)
-        negative = stored_sign_mask(signs.t())  # [S, 4, 8]
-        values = values.permute(1, 0, 2).reshape(-1, SUB)  # [S, 32] in element order
-        codes = torch.where(negative.reshape(-1, SUB), -values, values) + CODE_OFFSET
+        negative = stored_sign_mask(signs.t())  # [S, sub/8, 8]
+        values = values.permute(1, 0, 2).reshape(-1, self.sub)  # [S, sub] in element order
+        codes = torch.where(negative.reshape(-1, self.sub), -values, values) + CODE_OFFSET
         return {
             "codes": codes.reshape(rows, -1).to(torch.uint8),
             "d": d_stored.reshape(rows, -1),
@@ -207,10 +208,10 @@ class LatticeGrid(BlockGrid):
         }
 
     def assemble(self, out: dict[str, torch.Tensor]) -> QuantizedTensor:
-        d = out["d"].to(torch.float32).repeat_interleave(N_SUB, dim=1)
+        d = out["d"].to(torch.float32).repeat_interleave(QK_K // self.sub, dim=1)
         scales = d * (out["sc"].to(torch.float32) + 0.5) * self.read_factor
         aux = {"d": out["d"], "sc": out["sc"]}
-        return QuantizedTensor(codes=out["codes"], scales=scales, bits=8, group_size=SUB, grid=self.name, aux=aux)
+        return QuantizedTensor(codes=out["codes"], scales=scales, bits=8, group_size=self.sub, grid=self.name, aux=aux)
 
     # error feedback: a lattice group cannot be rounded one column at a time, so within a block the
     # codes are those of the block's own search (`choose`, on the weights as they stand when the block
@@ -219,7 +220,7 @@ class LatticeGrid(BlockGrid):
         fields = self.chunk(w.to(torch.float32).contiguous(), importance)
         qt = self.assemble(fields)
         kept = {"d": fields["d"], "sc": fields["sc"], "chosen": fields["codes"]}
-        return BlockParams(kept, qt.scales, -float(CODE_OFFSET) * qt.scales, SUB)
+        return BlockParams(kept, qt.scales, -float(CODE_OFFSET) * qt.scales, self.sub)
 
     def round(self, x: torch.Tensor, p: BlockParams, j: int) -> torch.Tensor:
         return p.fields["chosen"][:, j].to(torch.float32)
@@ -228,7 +229,9 @@ class LatticeGrid(BlockGrid):
         return p.scale[:, j // p.sub] * (q - CODE_OFFSET)
 
 
-IQ3_XXS = LatticeGrid("IQ3_XXS", IQ3_XXS_LATTICE, trials=15, trial_step=0.2, eps=1e-8, sigma_factor=2.0,
-                      read_factor=0.5, d_fudge=1.0125, needs_imatrix=False)  # fmt: skip
-IQ2_XXS = LatticeGrid("IQ2_XXS", IQ2_XXS_LATTICE, trials=6, trial_step=0.1, eps=1e-15, sigma_factor=1.0,
-                      read_factor=0.25, d_fudge=1.0, needs_imatrix=True)  # fmt: skip
+IQ3_XXS = LatticeGrid("IQ3_XXS", IQ3_XXS_LATTICE, sub=32, qp_centre=False, trials=15, trial_step=0.2, eps=1e-8,
+                      sigma_factor=2.0, read_factor=0.5, d_fudge=1.0125, needs_imatrix=False)  # fmt: skip
+IQ2_XXS = LatticeGrid("IQ2_XXS", IQ2_XXS_LATTICE, sub=32, qp_centre=True, trials=6, trial_step=0.1, eps=1e-15,
+                      sigma_factor=1.0, read_factor=0.25, d_fudge=1.0, needs_imatrix=True)  # fmt: skip
+IQ2_XS = LatticeGrid("IQ2_XS", IQ2_XS_LATTICE, sub=16, qp_centre=False, trials=9, trial_step=0.1, eps=1e-15,
+                     sigma_factor=1.0, read_factor=0.25, d_fudge=1.0, needs_imatrix=True)  # fmt: skip

@@ -12,14 +12,15 @@ from llmopt.formats.gguf.blocks import pack
 from llmopt.quant.grids import GRIDS, quantize
 from tests.quant.grids.ggml_reference import ggml_quantize
 
-NEW_TYPES = ["IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4", "IQ3_XXS", "IQ2_XXS"]  # also on denormals (`edge_weights`)
-NEEDS_IMATRIX = {"IQ2_XXS"}  # llama.cpp asserts (aborts) without one: we refuse with a one-line error
+NEW_TYPES = ["IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4", "IQ3_XXS", "IQ2_XXS",
+             "IQ2_XS"]  # also on denormals (`edge_weights`)
+NEEDS_IMATRIX = {"IQ2_XXS", "IQ2_XS"}  # llama.cpp asserts (aborts) without one: we refuse with a one-line error
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", *NEW_TYPES]
 # relative RMS error of the grids whose codes are not plain b-bit integers (the others: by bits); ternary
 # with d = max|x| rounds most Gaussian weights to 0
 # (IQ2_XXS: 2 bits, weighted by a random imatrix that all but ignores most columns)
 MAX_ERROR = {"IQ4_NL": 0.1, "IQ4_XS": 0.1, "TQ1_0": 0.85, "TQ2_0": 0.85, "MXFP4": 0.13, "NVFP4": 0.12, "IQ3_XXS": 0.25,
-             "IQ2_XXS": 0.6}  # fmt: skip
+             "IQ2_XXS": 0.6, "IQ2_XS": 0.5}  # fmt: skip
 LEGACY = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 
 
@@ -126,16 +127,16 @@ def test_rejects_rows_that_do_not_fill_blocks() -> None:
     with pytest.raises(InputError):
         quantize("Q4_0", torch.zeros(4, 48))
     with pytest.raises(InputError):
-        quantize("IQ2_XS", torch.zeros(4, 256))
+        quantize("Q8_1", torch.zeros(4, 256))
     assert set(GRIDS) == set(TYPES)
 
 
-@pytest.mark.parametrize("type_name", ["IQ3_XXS", "IQ2_XXS"])
+@pytest.mark.parametrize("type_name", ["IQ3_XXS", "IQ2_XXS", "IQ2_XS"])
 def test_lattice_reads_back_as_the_gguf_packages_grid(type_name: str) -> None:
     """Our point list (llama.cpp's search grid) with its read-back levels is gguf's dequantization grid."""
-    from llmopt.quant.grids.iq_lattice import IQ2_XXS_LATTICE, IQ3_XXS_LATTICE
+    from llmopt.quant.grids.iq_lattice import IQ2_XS_LATTICE, IQ2_XXS_LATTICE, IQ3_XXS_LATTICE
 
-    lattice = {"IQ3_XXS": IQ3_XXS_LATTICE, "IQ2_XXS": IQ2_XXS_LATTICE}[type_name]
+    lattice = {"IQ3_XXS": IQ3_XXS_LATTICE, "IQ2_XXS": IQ2_XXS_LATTICE, "IQ2_XS": IQ2_XS_LATTICE}[type_name]
     quant = gguf.quants._type_traits[gguf.GGMLQuantizationType[type_name]]
     quant.init_grid()
     assert np.array_equal(lattice.read_values.numpy(), quant.grid.reshape(lattice.read_values.shape))

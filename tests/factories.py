@@ -68,12 +68,17 @@ def make_tiny_hf(directory: Path, family: str = "llama", tie: bool = False, seed
         raise ValueError(family)
     torch.manual_seed(seed)
     model = cls(config).to(dtype)
-    with torch.no_grad():  # random init leaves norms at 1 and biases at 0: make them matter
+    perturb_norms(model)
+    model.save_pretrained(directory)
+    return directory
+
+
+def perturb_norms(model: torch.nn.Module) -> None:
+    """Random init leaves norms at their neutral value and biases at 0: add noise so they matter."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(directory)
-    return directory
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -17,17 +17,10 @@ from llmopt.model.arch import ArchSpec
 from llmopt.model.decoder import Decoder
 from llmopt.model.families import PHI3
 from llmopt.model.rope import attention_factor
-from tests.formats.gguf.llama_cpp_helpers import gguf_types, llama_dry_run_types, write_sparse_f16_gguf
+from tests.formats.gguf.llama_cpp_helpers import (assert_same_top1, gguf_types, llama_cpp_logits, llama_dry_run_types,
+                                                  write_sparse_f16_gguf)
 from tests.factories import write_reference_gguf
 from tests.model.test_phi3 import HEAD_DIM, ids, make_tiny_phi3
-
-
-def _llama_cpp_logits(path, tokens: list[int], n_ctx: int = 128) -> torch.Tensor:
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=str(path), n_ctx=n_ctx, logits_all=True, verbose=False, n_threads=2)
-    llm.eval(tokens)
-    return torch.tensor(np.asarray(llm.scores[: len(tokens)]))
 
 
 @pytest.mark.parametrize("longrope", [False, True], ids=["plain", "longrope"])
@@ -46,13 +39,7 @@ def test_our_gguf_runs_in_llama_cpp_with_our_top1(tmp_path, longrope: bool) -> N
     with open_model(out) as src, torch.no_grad():
         assert src.arch.family.name == "phi3" and (attention_factor(src.arch) > 1) == longrope
         ours = Decoder.from_source(src)(x)[0]
-    theirs = _llama_cpp_logits(out, x[0].tolist())
-    diff = (theirs - ours).abs().max().item()
-    print(f"phi3 {'longrope' if longrope else 'plain'}: max |llama.cpp - llmopt| logit = {diff:.3g}")
-    top2 = ours.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 4 * diff  # positions no kernel's rounding can flip
-    assert diff < 1e-2 and int(clear.sum()) >= 60, (diff, int(clear.sum()))
-    assert torch.equal(theirs.argmax(-1), ours.argmax(-1))
+    assert_same_top1(ours, llama_cpp_logits(out, x[0].tolist()), f"phi3 {'longrope' if longrope else 'plain'}")
 
 
 @pytest.mark.parametrize("mix", ["Q4_K_M", "Q2_K"])

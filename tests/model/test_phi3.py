@@ -20,7 +20,7 @@ from llmopt.errors import InputError
 from llmopt.model import open_model
 from llmopt.model.decoder import Decoder
 from llmopt.model.rope import attention_factor
-from tests.factories import make_tokenizer
+from tests.factories import make_tokenizer, perturb_norms
 
 HEAD_DIM = 96
 
@@ -65,10 +65,7 @@ def make_tiny_phi3(directory: Path, longrope: bool = False, layers: int = 2, hea
     )
     torch.manual_seed(seed)
     model = transformers.Phi3ForCausalLM(config)
-    with torch.no_grad():  # random init leaves norms at 1: make them matter
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
+    perturb_norms(model)
     model.save_pretrained(directory)
     return directory
 

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import gguf
 import numpy as np
 
 from llmopt.formats.gguf.mixes import file_type
+
+if TYPE_CHECKING:
+    import torch
 
 
 def llama_quantize(src: Path, dst: Path, mix: str, **kwargs) -> Path:
@@ -165,3 +169,32 @@ def llama_dry_run_types(src: Path, mix: str, **kwargs) -> dict[str, str]:
         types[m.group(1)] = (m.group(3) or m.group(2)).upper()
     assert types, log[-2000:]
     return types
+
+
+def llama_cpp_model(path: Path, n_ctx: int = 128):  # noqa: ANN201 - a llama_cpp.Llama
+    """llama.cpp (llama-cpp-python) on `path`, keeping every position's logits."""
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(path), n_ctx=n_ctx, logits_all=True, verbose=False, n_threads=2)
+
+
+def llama_cpp_logits(path: Path, tokens: list[int], n_ctx: int = 128) -> torch.Tensor:
+    """llama.cpp's logits [len(tokens), vocab] for `tokens` run as one prompt."""
+    import torch
+
+    llm = llama_cpp_model(path, n_ctx)
+    llm.eval(tokens)
+    return torch.tensor(np.asarray(llm.scores[: len(tokens)]))
+
+
+def assert_same_top1(ours: torch.Tensor, theirs: torch.Tensor, label: str) -> float:
+    """llama.cpp's most likely token equals ours at every position, the logits within 1e-2, and all but
+    4 positions clear of near-ties (margin over 4x the measured difference), so the check means
+    something; prints and returns the largest difference."""
+    diff = (theirs - ours).abs().max().item()
+    print(f"{label}: max |llama.cpp - llmopt| logit = {diff:.3g}")
+    top2 = ours.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 4 * diff  # positions no kernel's rounding can flip
+    assert diff < 1e-2 and int(clear.sum()) >= ours.shape[0] - 4, (diff, int(clear.sum()))
+    assert (theirs.argmax(-1) == ours.argmax(-1)).all()
+    return diff

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from llmopt.model.decoder import embed_scaled
 from llmopt.model.source import ModelSource
 
 
@@ -19,7 +20,7 @@ def embed(source: ModelSource, tokens: torch.Tensor, dtype: torch.dtype = torch.
           device: torch.device | str = "cpu") -> torch.Tensor:
     """Hidden states entering block 0 for `tokens` [n, t]: [n, t, hidden]."""
     table = source.load("model.embed_tokens.weight", dtype=torch.float32)
-    x = table[tokens.clamp(0, table.shape[0] - 1)].to(device=device, dtype=dtype)
+    x = embed_scaled(table[tokens.clamp(0, table.shape[0] - 1)].to(device=device, dtype=dtype), source.arch)
     del table
     source.release_pages()
     return x

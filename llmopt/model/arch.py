@@ -75,7 +75,7 @@ class ArchSpec:
         kv_heads = integer(cfg.get("num_key_value_heads") or heads, "config.json `num_key_value_heads`")
         check_heads(heads, kv_heads, "config.json")
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        return cls(
+        return family.adapt_hf(cls(
             family=family,
             hidden_size=hidden,
             num_layers=integer(get("num_hidden_layers"), "config.json `num_hidden_layers`", hi=MAX_LAYERS),
@@ -92,7 +92,7 @@ class ArchSpec:
             rope_scaling=rope_scaling,
             sliding_window=None if window is None else integer(window, "config.json `sliding_window`"),
             extra={"hf_architecture": (archs or [family.hf_architectures[0]])[0]},
-        )
+        ), cfg)
 
     def to_hf_config(self, dtype: str) -> dict[str, Any]:
         """A config.json that transformers, vLLM and llmopt read back to this same spec."""
@@ -153,7 +153,7 @@ class ArchSpec:
             }
             if f"{arch}.rope.scaling.original_context_length" in meta:
                 rope_scaling["original_max_position_embeddings"] = count("rope.scaling.original_context_length")
-        return cls(
+        return family.adapt_gguf(cls(
             family=family,
             hidden_size=hidden,
             num_layers=count("block_count", hi=MAX_LAYERS),
@@ -168,7 +168,7 @@ class ArchSpec:
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             rope_scaling=rope_scaling,
-        )
+        ), meta)
 
 
 def _f32(value: Any) -> float:

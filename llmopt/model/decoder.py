@@ -59,13 +59,20 @@ class KVCache(Protocol):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """x / rms(x) scaled by (shift + weight): shift 0 for Llama's families, 1 for Gemma's, whose
+    weights are stored as the offset from 1 (`Family.norm_shift`)."""
+
+    def __init__(self, dim: int, eps: float, shift: float = 0.0):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if shift else torch.ones(dim))
         self.eps = eps
+        self.shift = shift
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # one fused kernel; in float32 like the reference implementations, whatever the model dtype
+        if self.shift:  # Gemma: (shift + weight) in float32, the product cast back (as transformers)
+            h = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
+            return (h * (self.shift + self.weight.float())).to(x.dtype)
         if x.dtype == torch.float32:  # the weight joins the same kernel: one op per norm in decode
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
@@ -88,9 +95,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(arch.hidden_size, self.n_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(arch.hidden_size, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, arch.hidden_size, bias=False)
-        if arch.family.qk_norm:  # one RMSNorm over each head's q and k (Qwen3)
-            self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+        if arch.family.qk_norm:  # one RMSNorm over each head's q and k (Qwen3, Gemma 3)
+            self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, arch.family.norm_shift)
+            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, arch.family.norm_shift)
         self.qkv: nn.Module | None = None  # q, k, v as one linear, when the runtime fuses them (row_major.py)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -200,13 +207,22 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
         self.gate_up: nn.Module | None = None  # gate and up as one linear, when the runtime fuses them
+        self.act = ACTIVATIONS[arch.family.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
             gate, up = self.gate_up(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(self.act(gate) * up)
         # one expression: gate and up are freed before down_proj runs (the pipeline pauses there)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# the gated MLP's activations, by transformers' `hidden_act` names (SwiGLU; Gemma's GeGLU)
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh}
 
 
 class DecoderBlock(nn.Module):
@@ -214,9 +230,9 @@ class DecoderBlock(nn.Module):
 
     def __init__(self, arch: ArchSpec, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.family.norm_shift)
         self.self_attn = Attention(arch, layer)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.family.norm_shift)
         self.mlp = MLP(arch)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: Position = 0,
@@ -230,7 +246,9 @@ class Rotary(nn.Module):
 
     def __init__(self, arch: ArchSpec):
         super().__init__()
-        self.register_buffer("inv_freq", inv_freq(arch), persistent=False)
+        tables = arch.family.rope_archs(arch)  # [head_dim / 2], or one row per table (Gemma 3: two)
+        freqs = inv_freq(tables[0]) if len(tables) == 1 else torch.stack([inv_freq(a) for a in tables])
+        self.register_buffer("inv_freq", freqs, persistent=False)
         self.table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin for positions 0..n-1
 
     def forward(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,8 +265,9 @@ class Rotary(nn.Module):
 
     def compute(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(start, start + length, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq.float())
-        emb = torch.cat((freqs, freqs), dim=-1)
+        inv = self.inv_freq.float()
+        freqs = pos.view(-1, *[1] * inv.dim()) * inv  # [n, half] or [n, tables, half]
+        emb = torch.cat((freqs, freqs), dim=-1).flatten(1)  # several tables: side by side
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -260,7 +279,7 @@ class Decoder(nn.Module):
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(arch.family.make_block(arch, i) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.family.norm_shift)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rotary = Rotary(arch)
 
@@ -272,7 +291,7 @@ class Decoder(nn.Module):
         """Final-norm hidden states: prefill applies the LM head to the last position only.
         `rope` gives the cos/sin rows of these positions (a fixed-shape step selects them itself).
         A `Packed` start runs several sequences as one [1, T] row (continuous batching)."""
-        x = self.embed_tokens(ids)
+        x = embed_scaled(self.embed_tokens(ids), self.arch)
         if rope is None:
             rope = self.rotary.at(start.positions, x.dtype) if isinstance(start, Packed) else self.rotary(start, ids.shape[1], x.dtype)
         cos, sin = rope
@@ -298,6 +317,14 @@ class Decoder(nn.Module):
         model.load_state_dict(state, strict=True, assign=True)
         model.rotary = Rotary(arch).to(device)
         return model.eval()
+
+
+def embed_scaled(x: torch.Tensor, arch: ArchSpec) -> torch.Tensor:
+    """Embedding rows as block 0 reads them: Gemma scales them by sqrt(hidden_size), the factor
+    rounded to the rows' dtype first (as transformers does; llama.cpp scales in float32)."""
+    if not arch.family.scale_embedding:
+        return x
+    return x * torch.tensor(arch.hidden_size ** 0.5, dtype=x.dtype)
 
 
 def hf_to_param_name(hf_name: str) -> str:

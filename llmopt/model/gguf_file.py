@@ -83,6 +83,9 @@ class GGUFSource(ModelSource):
             except NotImplementedError:
                 raise InputError(f"{self.path}: tensor {raw.name} is {qtype.name}, which llmopt cannot read") from None
         t = self.hf_rows(name, t.reshape(shape), rows)
+        shift = self.arch.family.gguf_shift(name)
+        if shift:  # Gemma's norms: the file holds shift + w (exact in float32 for a bf16 checkpoint's w)
+            t = t.float() - shift
         return t if dtype is None else t.to(dtype)
 
     def stored_tensor(self, name: str) -> tuple[Any, tuple[int, ...], slice | None]:

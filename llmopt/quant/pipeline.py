@@ -190,7 +190,7 @@ def _calibrated(source: ModelSource, spec: QuantizeSpec, method: Method, tokens:
         yield _calibrated_block(source, spec, method, layer, x, x_fp, chunks, cos, sin)
 
     if spec.quantize_head:  # its input: the final norm of the last block's outputs
-        norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps).to(device)
+        norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.family.norm_shift).to(device)
         norm.weight.data = source.load("model.norm.weight", dtype=torch.float32).to(device)
         stats = method.collector(arch.hidden_size, device)
         for s in chunks:

@@ -283,6 +283,9 @@ def _encode(source: ModelSource, planned: PlannedTensor, weight: torch.Tensor,
     heads = arch.family.qk_heads(planned.hf_name, arch.num_heads, arch.num_kv_heads)
     if heads is not None:
         weight = permute_for_gguf(weight, heads)
+    shift = arch.family.gguf_shift(planned.hf_name)
+    if shift:  # Gemma's norms: llama.cpp reads shift + w
+        weight = weight + shift
     kind = planned.type_name
     if kind == "F32":
         return weight.contiguous().numpy()
@@ -416,6 +419,16 @@ def _add_architecture(w: gguf.GGUFWriter, arch: ArchSpec) -> None:
     elif rope_kind(arch) == "longrope":  # as llama.cpp's converter: no type; the factors are tensors
         w.add_rope_scaling_attn_factors(attention_factor(arch))
         w.add_rope_scaling_orig_ctx_len(longrope_original_context(arch))
+    for key, value in arch.family.gguf_keys(arch).items():  # the family's own (Gemma 3's sliding window)
+        w.add_key_value(f"{arch.family.gguf_arch}.{key}", value, _value_type(value),
+                        sub_type=gguf.GGUFValueType.BOOL if isinstance(value, list) else None)
+
+
+def _value_type(value: Any) -> gguf.GGUFValueType:
+    """GGUF's type for a family key: uint32 counts, float32 numbers, arrays (of bools)."""
+    if isinstance(value, list):
+        return gguf.GGUFValueType.ARRAY
+    return gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32
 
 
 def _add_tokenizer(w: gguf.GGUFWriter, info: Any, vocab_size: int) -> None:

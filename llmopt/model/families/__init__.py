@@ -2,13 +2,14 @@
 
 from llmopt.errors import InputError
 from llmopt.model.families.base import Family
+from llmopt.model.families.gemma3 import GEMMA3
 from llmopt.model.families.llama import LLAMA
 from llmopt.model.families.mistral import MISTRAL
 from llmopt.model.families.phi3 import PHI3
 from llmopt.model.families.qwen2 import QWEN2
 from llmopt.model.families.qwen3 import QWEN3
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3)
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA3)
 
 
 def supported_architectures() -> str:
@@ -38,4 +39,4 @@ def family_for_gguf(gguf_arch: str) -> Family:
     raise InputError(f"unsupported GGUF architecture {gguf_arch!r}; supported: {', '.join(gguf_names)}")
 
 
-__all__ = ["FAMILIES", "LLAMA", "MISTRAL", "PHI3", "QWEN2", "QWEN3", "Family", "family_for_gguf", "family_for_hf", "supported_architectures"]
+__all__ = ["FAMILIES", "GEMMA3", "LLAMA", "MISTRAL", "PHI3", "QWEN2", "QWEN3", "Family", "family_for_gguf", "family_for_hf", "supported_architectures"]

@@ -106,6 +106,14 @@ def _default_block(arch: ArchSpec, layer: int) -> nn.Module:
     return DecoderBlock(arch, layer)
 
 
+def _unchanged(arch: ArchSpec, read: dict[str, Any]) -> ArchSpec:
+    return arch
+
+
+def _one_rope(arch: ArchSpec) -> tuple[ArchSpec, ...]:
+    return (arch,)
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -122,13 +130,29 @@ class Family:
     hf_config_keys: Callable[[ArchSpec], dict[str, Any]] = field(default=_no_keys, compare=False)
     make_block: Callable[[ArchSpec, int], nn.Module] = field(default=_default_block, compare=False)
     fused: tuple[Fused, ...] = ()  # linears that files store stacked (Phi-3's qkv_proj, gate_up_proj)
+    # Gemma's conventions (llama.cpp's converter calls the first `norm_shift`): a norm scales by
+    # (norm_shift + weight), and GGUF files store norm_shift + weight; the embedding's output is
+    # scaled by sqrt(hidden_size); the gated MLP's activation (a transformers `hidden_act` name)
+    norm_shift: float = 0.0
+    scale_embedding: bool = False
+    activation: str = "silu"
+    # hidden-wide norms of the block beyond (or renaming) Llama's two: (HF suffix, GGUF suffix)
+    extra_norms: tuple[tuple[str, str], ...] = ()
+    # what ArchSpec's generic readers leave out: the family's own config.json / GGUF keys, read into
+    # the spec (fields or `extra`) after the shared ones; and the GGUF keys its writer adds
+    adapt_hf: Callable[[ArchSpec, dict[str, Any]], ArchSpec] = field(default=_unchanged, compare=False)
+    adapt_gguf: Callable[[ArchSpec, dict[str, Any]], ArchSpec] = field(default=_unchanged, compare=False)
+    gguf_keys: Callable[[ArchSpec], dict[str, Any]] = field(default=_no_keys, compare=False)
+    # the rope tables the blocks read, one spec per table (Gemma 3: global and sliding layers' bases);
+    # the decoder hands every block all of them side by side, head_dim wide each
+    rope_archs: Callable[[ArchSpec], tuple[ArchSpec, ...]] = field(default=_one_rope, compare=False)
 
     # ------------------------------------------------------------------------------ names
     @property
     def block_tensors(self) -> dict[str, str]:
         """HF suffix -> GGUF suffix of every tensor a block of this family can hold in its files
         (a fused linear under its stored name; its parts are not stored)."""
-        tensors = {**LLAMA_BLOCK_TENSORS, **(QK_NORM_TENSORS if self.qk_norm else {})}
+        tensors = {**LLAMA_BLOCK_TENSORS, **(QK_NORM_TENSORS if self.qk_norm else {}), **dict(self.extra_norms)}
         for f in self.fused:
             for part in f.parts:
                 tensors.pop(f"{part}.weight")
@@ -216,6 +240,11 @@ class Family:
                     return f"model.layers.{m.group(1)}.{hf}"
         return None
 
+    def gguf_shift(self, hf_name: str) -> float:
+        """What GGUF files add to this tensor's values: `norm_shift` for norms (llama.cpp's converter
+        shifts every tensor whose name ends in "norm.weight"), else 0."""
+        return self.norm_shift if hf_name.endswith("norm.weight") else 0.0
+
     def qk_heads(self, hf_name: str, num_heads: int, num_kv_heads: int) -> int | None:
         """Heads to permute over if this tensor is stored permuted in GGUF, else None."""
         if not self.permute_qk:
@@ -244,6 +273,7 @@ class Family:
         if self.qk_norm:
             block += [("self_attn.q_norm.weight", (hd,), NORM), ("self_attn.k_norm.weight", (hd,), NORM)]
         block += [("self_attn.o_proj.weight", (h, q), LINEAR), ("post_attention_layernorm.weight", (h,), NORM)]
+        block += [(name, (h,), NORM) for name, _ in self.extra_norms if name != "post_attention_layernorm.weight"]
         f, experts = arch.intermediate_size, int(arch.extra.get("num_experts", 0))
         if not experts:
             block += [("mlp.gate_proj.weight", (f, h), LINEAR), ("mlp.up_proj.weight", (f, h), LINEAR),

@@ -1,0 +1,106 @@
+"""Gemma 3 in GGUF: the file we write (norms stored as 1 + w, post-attention/pre-/post-FFN norms
+under llama.cpp's names, the sliding window key) runs in llama.cpp with our logits and our greedy
+tokens, its type map under a mix equals llama-quantize's, and GGUF -> HF -> GGUF keeps every tensor
+bit for bit."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from llmopt.api import convert_to_gguf, convert_to_hf
+from llmopt.model import open_model
+from llmopt.model.decoder import Decoder
+from tests.formats.gguf.llama_cpp_helpers import (assert_same_top1, gguf_types, llama_cpp_logits, llama_cpp_model,
+                                                  llama_dry_run_types)
+from tests.model.test_gemma3 import WINDOW, ids, make_tiny_gemma3, reference
+
+
+def test_written_gguf_has_llama_cpps_layout(tmp_path) -> None:
+    """gemma3 names, norms as 1 + w (llama.cpp's converter adds 1 to every norm.weight), and the
+    sliding window; reading it back gives transformers' tensors and config."""
+    path = make_tiny_gemma3(tmp_path / "g")
+    out = tmp_path / "g.gguf"
+    convert_to_gguf(path, out, "F16")
+    reader = gguf.GGUFReader(str(out))
+    tensors = {t.name: t for t in reader.tensors}
+    assert {"blk.0.post_attention_norm.weight", "blk.0.ffn_norm.weight", "blk.0.post_ffw_norm.weight",
+            "blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight"} <= set(tensors)
+    assert "output.weight" not in tensors  # tied
+    assert reader.fields["general.architecture"].contents() == "gemma3"
+    assert reader.fields["gemma3.attention.sliding_window"].contents() == WINDOW
+    ref = reference(path)
+    stored = np.asarray(tensors["blk.2.ffn_norm.weight"].data)
+    assert np.array_equal(stored, (ref.model.layers[2].pre_feedforward_layernorm.weight.detach() + 1).numpy())
+    with open_model(out) as src:
+        assert src.arch.extra["layer_types"] == ref.config.layer_types
+        assert src.arch.extra["rope_local_base_freq"] == 10_000.0 and src.arch.sliding_window == WINDOW
+        # w comes back as (1 + w) - 1: float32 rounding of the sum only (exact for bf16 checkpoints)
+        back = src.load("model.layers.2.pre_feedforward_layernorm.weight")
+        assert torch.allclose(back, ref.model.layers[2].pre_feedforward_layernorm.weight.detach(), rtol=0, atol=1e-7)
+
+
+def test_our_gguf_runs_in_llama_cpp_with_our_logits(tmp_path) -> None:
+    """64 positions (four windows long): llama.cpp's logits on our F16 GGUF are ours, top-1 equal."""
+    path = make_tiny_gemma3(tmp_path / "g")
+    out = tmp_path / "g.gguf"
+    convert_to_gguf(path, out, "F16")
+    x = ids(64, seed=5)
+    with open_model(out) as src, torch.no_grad():
+        ours = Decoder.from_source(src)(x)[0]
+    assert_same_top1(ours, llama_cpp_logits(out, x[0].tolist()), "gemma3 (64 positions)")
+
+
+def test_greedy_generation_equals_llama_cpps(tmp_path) -> None:
+    """32 greedy tokens from our runtime (KV cache, decode steps past the window) on the GGUF equal
+    llama.cpp's on the same file, from the same prompt ids."""
+    from llmopt.runtime.generate import Generator
+    from llmopt.runtime.weights import load_model
+
+    path = make_tiny_gemma3(tmp_path / "g")
+    out = tmp_path / "g.gguf"
+    convert_to_gguf(path, out, "F16")
+    prompt = ids(12, seed=7)[0].tolist()
+    theirs = []
+    for token in llama_cpp_model(out).generate(prompt, top_k=1, temp=0.0, reset=True):
+        theirs.append(int(token))
+        if len(theirs) == 32:
+            break
+    loaded = load_model(str(out), "float32", "cpu")
+    ours = Generator(loaded.model, eos=set()).generate(prompt, max_tokens=32, ignore_eos=True).token_ids
+    assert len(set(theirs)) >= 3  # a continuation that changes token, not one repeated
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q2_K"])
+def test_written_type_map_equals_llama_quantize(tmp_path, mix: str) -> None:
+    """The types in our Q4_K_M / Q2_K file equal those llama.cpp's quantizer plans for our F16 file."""
+    path = make_tiny_gemma3(tmp_path / "g")
+    f16, ours = tmp_path / "f16.gguf", tmp_path / f"{mix}.gguf"
+    convert_to_gguf(path, f16, "F16")
+    convert_to_gguf(path, ours, mix)
+    assert gguf_types(ours) == llama_dry_run_types(f16, mix)
+
+
+def test_gguf_to_hf_to_gguf_keeps_every_tensor(tmp_path) -> None:
+    """F16 GGUF -> HF -> F16 GGUF: the same tensors bit for bit (the norms' 1 + w as well); the HF
+    directory loads in transformers with our logits."""
+    import transformers
+
+    path = make_tiny_gemma3(tmp_path / "g")
+    first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    convert_to_gguf(path, first, "F16")
+    convert_to_hf(first, tmp_path / "hf", dtype="float32")
+    convert_to_gguf(tmp_path / "hf", second, "F16")
+    a, b = gguf.GGUFReader(str(first)), gguf.GGUFReader(str(second))
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    for ta, tb in zip(a.tensors, b.tensors):
+        assert ta.tensor_type == tb.tensor_type and np.array_equal(np.asarray(ta.data), np.asarray(tb.data)), ta.name
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(ref).__name__ == "Gemma3ForCausalLM"
+    x = ids(40)
+    with open_model(tmp_path / "hf") as src, torch.no_grad():
+        diff = (Decoder.from_source(src)(x) - ref(x).logits).abs().max().item()
+    assert diff < 1e-4, diff

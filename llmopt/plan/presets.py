@@ -6,11 +6,12 @@ that size a model or its KV cache matter here; the rest are kept so `ArchSpec` s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmopt.errors import InputError
 from llmopt.model.arch import ArchSpec
 from llmopt.model.families import Family
+from llmopt.model.families.gemma3 import GEMMA3
 from llmopt.model.families.llama import LLAMA
 from llmopt.model.families.mistral import MISTRAL
 from llmopt.model.families.phi3 import PHI3
@@ -52,6 +53,14 @@ def _llama(**kw) -> ArchSpec:
 
 def _qwen2(**kw) -> ArchSpec:
     return _arch(QWEN2, "Qwen2ForCausalLM", **kw)
+
+
+def _gemma3(*, window: int, local_base: float, query_scalar: int, **kw) -> ArchSpec:
+    """Gemma 3's keys beyond the shared ones: the sliding window, the sliding layers' rope base and
+    query_pre_attn_scalar (layers alternate five sliding, one global: the default layer_types)."""
+    arch = _arch(GEMMA3, "Gemma3ForCausalLM", **kw)
+    extra = {**arch.extra, "rope_local_base_freq": local_base, "query_pre_attn_scalar": query_scalar}
+    return replace(arch, sliding_window=window, extra=extra)
 
 
 _PRESETS = (
@@ -96,6 +105,10 @@ _PRESETS = (
     Preset("mixtral-8x7b", "mistralai/Mixtral-8x7B-v0.1", _arch(
         MISTRAL, "MixtralForCausalLM", hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=32000,
         context=32768, rope_theta=1000000.0, eps=1e-5, experts=8, experts_per_token=2)),
+    # google/gemma-3-1b-it config.json (head_dim 256 of its own; 512-token window on 5 of every 6 layers)
+    Preset("gemma-3-1b", "google/gemma-3-1b-it", _gemma3(
+        hidden=1152, layers=26, heads=4, kv_heads=1, head_dim=256, ffn=6912, vocab=262144, context=32768,
+        rope_theta=1000000.0, eps=1e-6, tie=True, window=512, local_base=10000.0, query_scalar=256)),
     # microsoft/Phi-3-mini-4k-instruct config.json (no GQA; q/k/v and gate/up stored fused)
     Preset("phi-3-mini", "microsoft/Phi-3-mini-4k-instruct", _arch(
         PHI3, "Phi3ForCausalLM", hidden=3072, layers=32, heads=32, kv_heads=32, ffn=8192, vocab=32064,

@@ -1,0 +1,38 @@
+"""`recommend` on Gemma 3: sizes from the family's tensors (four norms per block, q/k norms, tied
+embedding) against the file llama.cpp's quantizer writes, and the gemma-3-1b preset's count."""
+
+from __future__ import annotations
+
+from llmopt.api import convert_to_gguf, recommend
+from llmopt.plan.models import from_preset
+from llmopt.plan.presets import get_preset
+from tests.formats.gguf.llama_cpp_helpers import llama_quantize
+from tests.model.test_gemma3 import make_tiny_gemma3
+
+
+def _q4_k_m(model: str):  # noqa: ANN202 - a recommend Row
+    return next(r for r in recommend(mem=8, model=model)["rows"] if r.format == "Q4_K_M")
+
+
+def test_recommend_gives_the_size_llama_cpp_writes_for_q4_k_m(tmp_path) -> None:
+    """From our F16 GGUF (metadata measured) the whole file to the byte; from the HF directory
+    (config only: metadata estimated from the vocabulary) the same tensor bytes."""
+    hf = make_tiny_gemma3(tmp_path / "g")
+    f16 = tmp_path / "f16.gguf"
+    convert_to_gguf(hf, f16, "F16")
+    written = llama_quantize(f16, tmp_path / "q4_k_m.gguf", "Q4_K_M", nthread=2).stat().st_size
+    from_gguf, from_hf = _q4_k_m(str(f16)), _q4_k_m(str(hf))
+    print(f"gemma3 Q4_K_M: llama.cpp {written:,} B, recommend (GGUF) {from_gguf.file_bytes:,} B, "
+          f"recommend (HF dir) {from_hf.file_bytes:,} B")
+    assert from_gguf.file_bytes == written
+    assert from_hf.weights_bytes == from_gguf.weights_bytes
+    assert abs(from_hf.file_bytes - written) / written < 0.01
+
+
+def test_gemma_3_1b_preset_counts_every_tensor() -> None:
+    """google/gemma-3-1b-it's 999,885,952 parameters (1152 wide, 26 layers, head_dim 256, 4 heads and 1
+    KV head, 6912-wide GeGLU, 262,144 tokens, tied): 26 x (1152·1024 q + 2·1152·256 k/v + 1024·1152 o +
+    3·6912·1152 MLP + 4·1152 norms + 2·256 q/k norms) + 262144·1152 + 1152."""
+    model = from_preset(get_preset("gemma-3-1b"))
+    assert model.parameters == 999_885_952
+    assert "blk.0.post_ffw_norm.weight" in {t.gguf_name for t in model.tensors}

@@ -14,7 +14,7 @@ import torch
 from llmopt.errors import InputError
 from llmopt.quant.grids.fp4 import INDEX_OF_CODE as FP4_INDEX_OF_CODE
 from llmopt.quant.grids.iq4 import IQ4_LEVELS
-from llmopt.quant.grids.iq_lattice import IQ2_XS_LATTICE, IQ2_XXS_LATTICE, IQ3_XXS_LATTICE
+from llmopt.quant.grids.iq_lattice import IQ2_S_LATTICE, IQ2_XS_LATTICE, IQ2_XXS_LATTICE, IQ3_S_LATTICE, IQ3_XXS_LATTICE
 from llmopt.quant.grids.lattice import Lattice
 from llmopt.quant.grids.ternary import ZERO_CODE
 from llmopt.quantized_tensor import QuantizedTensor
@@ -193,18 +193,20 @@ def pack_nvfp4(qt: QuantizedTensor) -> torch.Tensor:
     return torch.cat([_u8(qt.aux["ue"]).reshape(-1, 4), qs], dim=1)
 
 
-def _lattice_fields(qt: QuantizedTensor, lattice: Lattice) -> tuple[torch.Tensor, torch.Tensor]:
-    """IQ2/IQ3 codes (±value + 128) -> every group's point index [groups] and the 7 stored sign bits of
-    every 8 values [values/8], in element order; refuses codes off the lattice or with an odd sign count."""
+def _lattice_fields(qt: QuantizedTensor, lattice: Lattice, parity: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ2/IQ3 codes (±value + 128) -> every group's point index [groups] and the stored sign bits of
+    every 8 values [values/8] (`parity`: 7 bits, the count must be even), in element order; refuses
+    codes off the lattice."""
     v = qt.codes.to(torch.int64).reshape(-1, 8) - 128
     level_of = torch.full((256,), -1, dtype=torch.int64)
     level_of[torch.tensor(lattice.levels)] = torch.arange(lattice.nlevels)
     levels = level_of[v.abs()].reshape(-1, lattice.dims)
     index = lattice.index_of_key[lattice.key(levels.clamp(min=0))]
     negative = (v < 0).to(torch.int64)
-    if bool((levels < 0).any() | (index < 0).any() | (negative.sum(dim=-1) % 2 == 1).any()):
-        raise InputError(f"{qt.grid} codes that are not points of its lattice with an even count of signs")
-    signs = (negative * (1 << torch.arange(8))).sum(dim=-1) & 127
+    odd = (negative.sum(dim=-1) % 2 == 1).any() if parity else torch.tensor(False)
+    if bool((levels < 0).any() | (index < 0).any() | odd):
+        raise InputError(f"{qt.grid} codes that are not points of its lattice (with an even count of signs)")
+    signs = (negative * (1 << torch.arange(8))).sum(dim=-1) & (127 if parity else 255)
     return index, signs
 
 
@@ -238,12 +240,30 @@ def pack_iq2_xs(qt: QuantizedTensor) -> torch.Tensor:
     return torch.cat([_half_bytes(qt.aux["d"].reshape(-1)), qs, _nibbles(sc[:, :, 0], sc[:, :, 1])], dim=1)
 
 
+def pack_iq3_s(qt: QuantizedTensor) -> torch.Tensor:
+    index, signs = _lattice_fields(qt, IQ3_S_LATTICE, parity=False)
+    index = index.reshape(-1, 8, 8)  # [n, sub-block, group]: 9th bit of sub-block b's group k is qh[b] bit k
+    qh = ((index >> 8) << torch.arange(8)).sum(dim=-1)
+    sc = _u8(qt.aux["sc"]).reshape(-1, 4, 2)
+    parts = [index.reshape(-1, 64) & 255, qh, signs.reshape(-1, 32), _nibbles(sc[:, :, 0], sc[:, :, 1])]
+    return torch.cat([_half_bytes(qt.aux["d"].reshape(-1)), *(p.to(torch.uint8) for p in parts)], dim=1)
+
+
+def pack_iq2_s(qt: QuantizedTensor) -> torch.Tensor:
+    index, signs = _lattice_fields(qt, IQ2_S_LATTICE, parity=False)
+    index = index.reshape(-1, 32)
+    qh = ((index >> 8).reshape(-1, 8, 4) << torch.arange(0, 8, 2)).sum(dim=-1)  # 2 high bits per group, 4 a byte
+    sc = _u8(qt.aux["sc"]).reshape(-1, 8, 2)
+    parts = [index & 255, signs.reshape(-1, 32), qh, _nibbles(sc[:, :, 0], sc[:, :, 1])]
+    return torch.cat([_half_bytes(qt.aux["d"].reshape(-1)), *(p.to(torch.uint8) for p in parts)], dim=1)
+
+
 PACKERS = {
     "Q8_0": pack_q8_0, "Q4_0": pack_q4_0, "Q4_1": pack_q4_1, "Q5_0": pack_q5_0, "Q5_1": pack_q5_1,
     "Q2_K": pack_q2_k, "Q3_K": pack_q3_k, "Q4_K": pack_q4_k, "Q5_K": pack_q5_k, "Q6_K": pack_q6_k,
     "IQ4_NL": pack_iq4_nl, "IQ4_XS": pack_iq4_xs, "TQ1_0": pack_tq1_0, "TQ2_0": pack_tq2_0, "MXFP4": pack_mxfp4,
     "NVFP4": pack_nvfp4, "IQ3_XXS": pack_iq3_xxs, "IQ2_XXS": pack_iq2_xxs,
-    "IQ2_XS": pack_iq2_xs,
+    "IQ2_XS": pack_iq2_xs, "IQ3_S": pack_iq3_s, "IQ2_S": pack_iq2_s,
 }  # fmt: skip
 
 

@@ -13,14 +13,14 @@ from llmopt.quant.grids import GRIDS, quantize
 from tests.quant.grids.ggml_reference import ggml_quantize
 
 NEW_TYPES = ["IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4", "IQ3_XXS", "IQ2_XXS",
-             "IQ2_XS"]  # also on denormals (`edge_weights`)
+             "IQ2_XS", "IQ3_S", "IQ2_S"]  # also on denormals (`edge_weights`)
 NEEDS_IMATRIX = {"IQ2_XXS", "IQ2_XS"}  # llama.cpp asserts (aborts) without one: we refuse with a one-line error
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", *NEW_TYPES]
 # relative RMS error of the grids whose codes are not plain b-bit integers (the others: by bits); ternary
 # with d = max|x| rounds most Gaussian weights to 0
 # (IQ2_XXS: 2 bits, weighted by a random imatrix that all but ignores most columns)
 MAX_ERROR = {"IQ4_NL": 0.1, "IQ4_XS": 0.1, "TQ1_0": 0.85, "TQ2_0": 0.85, "MXFP4": 0.13, "NVFP4": 0.12, "IQ3_XXS": 0.25,
-             "IQ2_XXS": 0.6, "IQ2_XS": 0.5}  # fmt: skip
+             "IQ2_XXS": 0.6, "IQ2_XS": 0.5, "IQ3_S": 0.25, "IQ2_S": 0.45}  # fmt: skip
 LEGACY = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 
 
@@ -53,6 +53,9 @@ def edge_weights(rows: int = 24, cols: int = 512) -> torch.Tensor:
     w[15, :256] = 1e-38  # constant, just above the smallest normal
     w[16] = torch.randn(cols, generator=g) * 5000  # NVFP4: max/6 above UE4M3's largest scale (448)
     w[17] = torch.randn(cols, generator=g) * 0.005  # NVFP4: max/6 among UE4M3's subnormal scales
+    w[18, 32:64] = 0.0  # all-zero sub-blocks inside a live super-block (IQ3_S then writes later ones a slot early)
+    w[18, 128:144] = 0.0
+    w[19, 256:288] = torch.randn(32, generator=g) * 1e-40  # one denormal sub-block among normal ones
     return w
 
 
@@ -131,12 +134,12 @@ def test_rejects_rows_that_do_not_fill_blocks() -> None:
     assert set(GRIDS) == set(TYPES)
 
 
-@pytest.mark.parametrize("type_name", ["IQ3_XXS", "IQ2_XXS", "IQ2_XS"])
+@pytest.mark.parametrize("type_name", ["IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S"])
 def test_lattice_reads_back_as_the_gguf_packages_grid(type_name: str) -> None:
     """Our point list (llama.cpp's search grid) with its read-back levels is gguf's dequantization grid."""
-    from llmopt.quant.grids.iq_lattice import IQ2_XS_LATTICE, IQ2_XXS_LATTICE, IQ3_XXS_LATTICE
+    from llmopt.quant.grids import iq_lattice
 
-    lattice = {"IQ3_XXS": IQ3_XXS_LATTICE, "IQ2_XXS": IQ2_XXS_LATTICE, "IQ2_XS": IQ2_XS_LATTICE}[type_name]
+    lattice = getattr(iq_lattice, f"{type_name}_LATTICE")
     quant = gguf.quants._type_traits[gguf.GGMLQuantizationType[type_name]]
     quant.init_grid()
     assert np.array_equal(lattice.read_values.numpy(), quant.grid.reshape(lattice.read_values.shape))

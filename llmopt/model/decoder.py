@@ -33,6 +33,7 @@ class AttentionGroup:
     blocks: torch.Tensor  # [B, n] each sequence's cache blocks, oldest first (padding: any block)
     block_size: int
     mask: torch.Tensor  # [B, 1, t, s] bool: which keys each query may see
+    window_mask: torch.Tensor | None = None  # the same for sliding-window layers (None: `mask`)
 
 
 @dataclass
@@ -122,7 +123,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer, k, v, start)
         if isinstance(start, Packed):
-            o = packed_attention(q, k, v, start)
+            o = packed_attention(q, k, v, start, self.window is not None)
         else:
             o = attend(q, k, v, attention_mask(t, k.shape[2], start, self.window, x.device))
         del q, k, v  # not held while o_proj runs (the quantization pipeline pauses there, every chunk at once)
@@ -144,16 +145,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1)
 
 
-def packed_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, packed: Packed) -> torch.Tensor:
+def packed_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, packed: Packed,
+                     sliding: bool = False) -> torch.Tensor:  # fmt: skip
     """Attention for a packed batch: q [1, heads, T, d]; k_slots, v_slots [kv_heads, slots, d] (the
     whole cache layer). Each group gathers its sequences' queries and key blocks into one padded
-    batch (`index_select` of whole blocks: several times faster on CPU than indexing slot by slot)."""
+    batch (`index_select` of whole blocks: several times faster on CPU than indexing slot by slot).
+    A `sliding` layer (Gemma 3 mixes them with global ones) takes the groups' window masks."""
     out = torch.empty_like(q[0])
     h, _, d = out.shape
     for g in packed.groups:
         b, t = g.queries.shape
         qg = q[0].index_select(1, g.queries.flatten()).view(h, b, t, d).transpose(0, 1)
-        o = attend(qg, gather_blocks(k_slots, g), gather_blocks(v_slots, g), g.mask)  # [B, heads, t, d]
+        mask = g.window_mask if sliding and g.window_mask is not None else g.mask
+        o = attend(qg, gather_blocks(k_slots, g), gather_blocks(v_slots, g), mask)  # [B, heads, t, d]
         out.index_copy_(1, g.queries[g.valid], o.transpose(0, 1)[:, g.valid])
     return out[None]
 

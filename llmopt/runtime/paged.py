@@ -161,6 +161,5 @@ def _group(pool: BlockPool, chunks: list[tuple[list[int], int, int]], offsets: l
         q_pos[b, :n] = torch.arange(start, start + n)
     k_pos = torch.arange(nb * bs)[None, None, :]
     mask = k_pos <= q_pos[:, :, None]
-    if window is not None:
-        mask &= k_pos > q_pos[:, :, None] - window
-    return AttentionGroup(queries.to(device), valid.to(device), table.to(device), bs, mask[:, None].to(device))
+    window_mask = None if window is None else (mask & (k_pos > q_pos[:, :, None] - window))[:, None].to(device)
+    return AttentionGroup(queries.to(device), valid.to(device), table.to(device), bs, mask[:, None].to(device), window_mask)

@@ -169,6 +169,7 @@ class Generator:
         metrics = Metrics(prompt_tokens=len(prompt_ids))
         if speculative:
             metrics.drafted_tokens = metrics.accepted_tokens = 0
+            self.drafter.begin(cache)
 
         t0 = time.perf_counter()
         ids = list(prompt_ids)

@@ -7,8 +7,9 @@ from p_{K+1}. Every emitted token is then distributed exactly as the target's p.
 sampling p and q are one-hot, and the same rule reduces to "keep drafts while they equal the
 target's argmax, then take the target's argmax" — identical to plain greedy decoding.
 
-Two proposers: another model sharing the tokenizer (`DraftModel`), and n-gram lookup in the text
-so far (`PromptLookup`, whose proposals are deterministic, i.e. q is one-hot).
+Three proposers: another model sharing the tokenizer (`DraftModel`), n-gram lookup in the text
+so far (`PromptLookup`, whose proposals are deterministic, i.e. q is one-hot), and the target
+itself with layers skipped (`self_speculative.LayerSkipDraft`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Protocol
 import torch
 
 from llmopt.model.decoder import Decoder
-from llmopt.model.kv_cache import CacheFactory, StaticKVCache
+from llmopt.model.kv_cache import CacheFactory, GenerationCache, StaticKVCache
 from llmopt.runtime.sampling import SamplingConfig, apply_repetition_penalty, probabilities, sample
 
 
@@ -59,6 +60,14 @@ def accept_drafts(logits: torch.Tensor, ids: list[int], drafts: list[int], q: to
     return int(accepted), int(token)
 
 
+def draft_token(logits: torch.Tensor, history: torch.Tensor, cfg: SamplingConfig,
+                generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
+    """A drafter's next token from its `logits` [V] after `history`, and the distribution q it was
+    drawn from (the same filters as the target's p, so the rejection rule compares like with like)."""
+    q = probabilities(apply_repetition_penalty(logits.float(), history, cfg.repetition_penalty), cfg)
+    return (int(q.argmax()) if cfg.greedy else int(sample(q, generator))), q
+
+
 def one_hot_rows(tokens: list[int], vocab: int, device: torch.device) -> torch.Tensor:
     return torch.nn.functional.one_hot(torch.tensor(tokens, device=device), vocab).float()
 
@@ -68,6 +77,9 @@ class Drafter(Protocol):
 
     def propose(self, ids: list[int], k: int, cfg: SamplingConfig,
                 generator: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]: ...
+
+    def begin(self, cache: GenerationCache) -> None:
+        """A generation starts; `cache` is the target's (empty: the prompt's prefill comes next)."""
 
     def rollback(self, valid: int) -> None:
         """Only the first `valid` tokens of the sequence last proposed on are still current."""
@@ -95,6 +107,9 @@ class PromptLookup:
                     return follow, None
         return [], None
 
+    def begin(self, cache: GenerationCache) -> None:
+        pass
+
     def rollback(self, valid: int) -> None:
         pass
 
@@ -118,15 +133,15 @@ class DraftModel:
         for _ in range(k):
             start = self.cache.length
             h = self.model.hidden(pending[None], start, self.cache)
-            logits = self.model.lm_head(h[0, -1]).float()
-            logits = apply_repetition_penalty(logits, history, cfg.repetition_penalty)
-            q = probabilities(logits, cfg)
-            token = int(q.argmax()) if cfg.greedy else int(sample(q, generator))
+            token, q = draft_token(self.model.lm_head(h[0, -1]), history, cfg, generator)
             drafts.append(token)
             qs.append(q)
             pending = torch.tensor([token], device=self.device)
             history = torch.cat([history, pending])
         return drafts, torch.stack(qs)
+
+    def begin(self, cache: GenerationCache) -> None:
+        self.cache.truncate(0)  # its own cache: a new prompt is drafted from scratch
 
     def rollback(self, valid: int) -> None:
         self.cache.truncate(valid)

@@ -26,6 +26,7 @@ MIXES: tuple[str, ...] = (
     "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
     "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K",
     "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4_MOE",
+    "IQ3_M", "IQ3_S", "IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS",
 )  # fmt: skip
 
 # The mixes of the legacy and K types: `automix` labels its files with the nearest of these.
@@ -37,16 +38,26 @@ DEFAULT_TYPE: dict[str, str] = {
     "Q5_1": "Q5_1", "Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K",
     "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K",
     "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS", "TQ1_0": "TQ1_0", "TQ2_0": "TQ2_0", "MXFP4_MOE": "MXFP4",
+    "IQ3_M": "IQ3_S", "IQ3_S": "IQ3_S", "IQ3_XS": "IQ3_S", "IQ3_XXS": "IQ3_XXS", "IQ2_M": "IQ2_S", "IQ2_S": "IQ2_XS",
+    "IQ2_XS": "IQ2_XS", "IQ2_XXS": "IQ2_XXS",
 }  # fmt: skip
 
 # tensor_type_fallback: what a type becomes when the row length does not divide into its block.
 # (A 32-element block type has none: it becomes F16.)
 FALLBACK: dict[str, str] = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0",
-                            "IQ4_XS": "IQ4_NL", "TQ1_0": "Q4_0", "TQ2_0": "Q4_0"}  # fmt: skip
+                            "IQ4_XS": "IQ4_NL", "TQ1_0": "Q4_0", "TQ2_0": "Q4_0", "IQ3_S": "IQ4_NL",
+                            "IQ3_XXS": "IQ4_NL", "IQ2_S": "IQ4_NL", "IQ2_XS": "IQ4_NL", "IQ2_XXS": "IQ4_NL",
+                            "IQ1_S": "IQ4_NL", "IQ1_M": "IQ4_NL"}  # fmt: skip
 IQ4_MIXES = ("IQ4_NL", "IQ4_XS")
+# the 2-bit (and 1-bit) i-quant mixes, which llama.cpp gives their own rules and a Q5_K output
+LOW_BIT_MIXES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M")
+# tensor_requires_imatrix: llama-quantize refuses these types without an importance matrix (except in
+# token_embd/output), even where ggml's quantizer could do without
+IMATRIX_TYPES = ("IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 TERNARY_MIXES = ("TQ1_0", "TQ2_0")
 
 _LAYER = re.compile(r"^blk\.(\d+)\.")
+COUNTED_KINDS = ("attn_v", "ffn_down", "ffn_gate", "ffn_up")  # the tensors llama.cpp's rules count in loader order
 
 
 def check_mix(mix: str) -> str:
@@ -102,6 +113,12 @@ def _is_70b(arch: ArchSpec) -> bool:
     return arch.family.gguf_arch != "llama" or arch.num_heads != arch.num_kv_heads
 
 
+def requires_imatrix(gguf_name: str, type_name: str) -> bool:
+    """llama-quantize's tensor_requires_imatrix for the mixes here: a very-low-bit i-quant tensor that
+    is not the token embedding or the output."""
+    return type_name in IMATRIX_TYPES and gguf_name not in ("token_embd.weight", "output.weight")
+
+
 def _mix_rules(cat: str, new_type: str, mix: str, arch: ArchSpec, row_length: int, i_layer: int, n_layer: int,
                tied: bool, has_imatrix: bool, output_tensor_type: str | None) -> str:  # fmt: skip
     """llama_tensor_get_type_impl restricted to the mixes in MIXES and dense (non-MoE) models."""
@@ -110,12 +127,24 @@ def _mix_rules(cat: str, new_type: str, mix: str, arch: ArchSpec, row_length: in
             return output_tensor_type
         if mix == "MXFP4_MOE" or arch.family.gguf_arch == "falcon" or row_length % block_geometry(new_type)[0] != 0:
             return "Q8_0"
+        if mix in LOW_BIT_MIXES or mix == "IQ3_XXS":
+            return "Q5_K"
         return new_type if new_type == "Q8_0" else "Q6_K"
     if mix == "MXFP4_MOE":  # MXFP4 is for 3-D expert tensors, which dense models do not have
         return "Q8_0"
     if cat == "token_embd":
+        if mix in ("IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ1_M"):
+            return "Q2_K"
+        if mix in ("IQ2_S", "IQ2_M", "IQ3_XXS"):
+            return "IQ3_S"
         return "Q4_K" if mix in TERNARY_MIXES else new_type
     n_gqa = arch.num_heads // max(1, arch.num_kv_heads)
+    if mix in LOW_BIT_MIXES:
+        return _low_bit_rules(cat, new_type, mix, i_layer, n_layer, n_gqa)
+    if cat in ("attn_q", "attn_k"):
+        return {"IQ3_XS": "IQ3_XXS", "IQ3_XXS": "IQ2_S"}.get(mix, new_type)
+    if cat in ("ffn_gate", "ffn_up"):  # (llama.cpp counts these per kind; for a dense model the count is the layer)
+        return "IQ3_XXS" if mix == "IQ3_XS" and n_layer // 8 <= i_layer < 7 * n_layer // 8 else new_type
     if cat in ("attn_v", "attn_qkv", "attn_kv_b"):
         if mix == "Q2_K":
             new_type = "Q4_K" if n_gqa >= 4 else "Q3_K"
@@ -129,6 +158,10 @@ def _mix_rules(cat: str, new_type: str, mix: str, arch: ArchSpec, row_length: in
             new_type = "Q6_K"
         elif mix == "Q4_K_S" and i_layer < 4:
             new_type = "Q5_K"
+        elif mix == "IQ3_XXS":
+            new_type = "Q4_K" if n_gqa >= 4 else "IQ3_XXS" if has_imatrix else "IQ3_S"
+        elif (mix in ("IQ3_XS", "IQ3_S") and n_gqa >= 4) or mix == "IQ3_M":
+            new_type = "Q4_K"
         if _is_70b(arch) and new_type in ("Q3_K", "Q4_K"):
             new_type = "Q5_K"
         return new_type
@@ -149,9 +182,26 @@ def _mix_rules(cat: str, new_type: str, mix: str, arch: ArchSpec, row_length: in
             return "Q5_K"
         if mix in ("Q4_0", "Q5_0") and has_imatrix and i_layer < n_layer // 8:
             return "Q4_1" if mix == "Q4_0" else "Q5_1"
+        if mix == "IQ3_XXS" and not has_imatrix:
+            return "Q4_K" if i_layer < n_layer // 8 else "Q3_K"
+        if mix == "IQ3_M" and i_layer < n_layer // 8:
+            return "Q4_K"
         return new_type
     if cat == "attn_output":
-        return {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K", "Q3_K_L": "Q5_K"}.get(mix, new_type)
+        return {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K", "Q3_K_L": "Q5_K", "IQ3_XXS": "IQ3_S", "IQ3_M": "Q4_K"}.get(mix, new_type)
+    return new_type
+
+
+def _low_bit_rules(cat: str, new_type: str, mix: str, i_layer: int, n_layer: int, n_gqa: int) -> str:
+    """llama.cpp's rules for the 2- and 1-bit i-quant mixes (no 70B bump): attn_v, the first eighth of
+    ffn_down and attn_output get more bits."""
+    more = "IQ3_S" if mix in ("IQ2_S", "IQ2_M") else "Q2_K"
+    if cat in ("attn_v", "attn_qkv", "attn_kv_b"):
+        return "Q4_K" if n_gqa >= 4 else more
+    if cat == "ffn_down":
+        return more if i_layer < n_layer // 8 else new_type
+    if cat == "attn_output":
+        return {"IQ1_S": "IQ2_XXS", "IQ1_M": "IQ2_XXS", "IQ2_S": "IQ3_S", "IQ2_M": "IQ3_S"}.get(mix, new_type)
     return new_type
 
 
@@ -254,7 +304,7 @@ def plan_shapes(
     ott = writable_type(output_tensor_type, "output_tensor_type") if output_tensor_type is not None else None
     tied = "output.weight" not in shapes
     quantized_default = is_quantized(DEFAULT_TYPE[mix])
-    counters = {"attn_v": 0, "ffn_down": 0}
+    counters = dict.fromkeys(COUNTED_KINDS, 0)
     # Without overrides a tensor's type depends on its name only through its category and counter,
     # so tensors that share (category, shape, counter) share a type: `recommend` plans ~10^5 tensors.
     same: dict[tuple, str] | None = {} if not compiled else None

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from llmopt.errors import InputError
-from llmopt.formats.gguf.mixes import MIXES, file_type, plan_shapes, tensor_type, use_more_bits
+from llmopt.formats.gguf.mixes import MIXES, file_type, plan_shapes, requires_imatrix, tensor_type, use_more_bits
 from llmopt.formats.gguf.types import tensor_nbytes
 from llmopt.model.arch import ArchSpec
 from llmopt.model.families import LLAMA, QWEN2
-from tests.formats.gguf.llama_cpp_helpers import dense_shapes, llama_dry_run_types, write_sparse_f16_gguf
+from tests.formats.gguf.llama_cpp_helpers import dense_shapes, llama_dry_run_types, llama_quantize, write_sparse_f16_gguf
 
 # name: (family, hidden, ffn, layers, heads, kv_heads, vocab, tied, qkv bias)
 SHAPES = {
@@ -59,7 +59,8 @@ def test_mix_matches_llama_cpp(sparse_models, key: str, mix: str) -> None:
     assert ours == theirs
 
 
-@pytest.mark.parametrize("mix", ["Q4_0", "Q5_0", "Q4_K_M", "Q2_K", "IQ4_XS", "IQ4_NL"])
+@pytest.mark.parametrize("mix", ["Q4_0", "Q5_0", "Q4_K_M", "Q2_K", "IQ4_XS", "IQ4_NL", "IQ3_XXS", "IQ3_M", "IQ2_XXS",
+                                 "IQ2_M"])
 def test_mix_with_imatrix_matches_llama_cpp(sparse_models, mix: str) -> None:
     arch, shapes, path = sparse_models["llama-256"]
     ours = plan_shapes(shapes, mix, arch, has_imatrix=True)
@@ -69,6 +70,20 @@ def test_mix_with_imatrix_matches_llama_cpp(sparse_models, mix: str) -> None:
     if mix == "IQ4_XS":  # the rule without one: first eighth of ffn_down gets Q5_K
         assert ours["blk.0.ffn_down.weight"] == "IQ4_XS"
         assert plan_shapes(shapes, mix, arch)["blk.0.ffn_down.weight"] == "Q5_K"
+
+
+@pytest.mark.parametrize("mix", ["IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M"])
+def test_imatrix_requirement_matches_llama_cpp(sparse_models, tmp_path, mix: str) -> None:
+    """llama-quantize refuses a plan with a very-low-bit i-quant tensor (not token_embd/output) and no
+    imatrix; `requires_imatrix` says the same for our plan of the model."""
+    arch, shapes, path = sparse_models["llama-256"]
+    ours = any(requires_imatrix(name, t) for name, t in plan_shapes(shapes, mix, arch).items())
+    try:
+        llama_quantize(path, tmp_path / "out.gguf", mix)
+        theirs = False
+    except AssertionError:  # llama_model_quantize returned an error
+        theirs = True
+    assert ours == theirs
 
 
 @pytest.mark.parametrize(

@@ -274,8 +274,9 @@ def _fold(producer: nn.Module, s: torch.Tensor) -> None:
     """Divide the producer's output channels by s (its weight, and its bias if it has one)."""
     if isinstance(producer, nn.Linear):
         producer.weight.data = (producer.weight.data.float() / s.unsqueeze(1)).to(producer.weight.dtype)
-    else:
-        producer.weight.data = (producer.weight.data.float() / s).to(producer.weight.dtype)
+    else:  # a norm scales by (shift + weight): Gemma's shift 1 stays outside the division
+        shift = getattr(producer, "shift", 0.0)
+        producer.weight.data = ((shift + producer.weight.data.float()) / s - shift).to(producer.weight.dtype)
     bias = getattr(producer, "bias", None)
     if isinstance(bias, torch.Tensor):
         bias.data = (bias.data.float() / s).to(bias.dtype)

@@ -80,3 +80,22 @@ def test_gptq_checkpoint_end_to_end(gemma3, tmp_path) -> None:
         agree = (ours.argmax(-1) == want.argmax(-1)).float().mean().item()
         print(f"gemma3 {method} 4-bit g32: relative logit error {errors[method]:.3f}, top-1 agreement {agree:.2f}")
     assert errors["gptq"] < 0.75 * errors["rtn"]  # GPTQ's calibration (Gemma's block inputs) pays off
+
+
+def test_awq_folds_into_gemmas_shifted_norms(gemma3, tmp_path) -> None:
+    """AWQ divides a norm's output by its scales: for Gemma's (1 + w) norms the stored w becomes
+    (1 + w) / s - 1. At 8 bits the quantized model stays close to the float one, which a fold that
+    ignored the shift would not (it would rescale the norms' outputs wholesale)."""
+    calib = tmp_path / "c.txt"
+    calib.write_text(CORPUS)
+    quantize(gemma3, tmp_path / "awq", method="awq", bits=8, group_size=32, fmt="gptq", calib=str(calib), nsamples=4, seqlen=48)
+    x = ids(48)
+    with open_model(tmp_path / "awq") as back, torch.no_grad():
+        ours = Decoder.from_source(back)(x)[0]
+        folded = back.load("model.layers.0.input_layernorm.weight")
+    with open_model(gemma3) as src:
+        assert not torch.equal(folded, src.load("model.layers.0.input_layernorm.weight"))  # scales were folded
+    want = reference(gemma3)(x).logits[0]
+    rel = ((ours - want).norm() / want.norm()).item()
+    print(f"gemma3 AWQ 8-bit g32: relative logit error {rel:.4f}")
+    assert rel < 0.05, rel

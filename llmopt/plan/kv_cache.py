@@ -35,5 +35,7 @@ def kv_bytes_per_token(arch: ArchSpec, kv_dtype: str = "f16") -> int:
 
 
 def kv_cache_bytes(arch: ArchSpec, context: int, batch: int = 1, kv_dtype: str = "f16") -> int:
-    """The whole cache: `batch` sequences of `context` tokens each."""
-    return kv_bytes_per_token(arch, kv_dtype) * context * batch
+    """The whole cache: `batch` sequences of `context` tokens each. A sliding-window layer (Gemma 3's
+    five of every six) keeps only its window's tokens (`Family.kv_windows`)."""
+    tokens = sum(context if w is None else min(context, w) for w in arch.family.kv_windows(arch))
+    return 2 * kv_row_bytes(arch.num_kv_heads * arch.head_dim, kv_dtype) * tokens * batch

@@ -20,7 +20,7 @@ from typing import Any
 from llmopt.formats.gguf.types import aligned, candidate_types, tensor_nbytes
 from llmopt.plan.gpus import GPU, GIB
 from llmopt.plan.gguf_file import gguf_file_bytes
-from llmopt.plan.kv_cache import kv_bytes_per_token
+from llmopt.plan.kv_cache import kv_cache_bytes
 from llmopt.plan.models import PlanModel, all_presets
 from llmopt.plan.overhead import Overhead, runtime_overhead
 from llmopt.plan.quality import GOOD, Quality, class_index, quality
@@ -113,13 +113,13 @@ def kv_bytes_per_device(model: PlanModel, kv_total: int, tp: int) -> int:
 
 def make_row(model: PlanModel, size: WeightSize, workload: Workload, budget: Budget) -> Row:
     arch, tp = model.arch, workload.tp
-    per_token = kv_bytes_per_token(arch, workload.kv_dtype)
-    kv_total = per_token * workload.context * workload.batch
+    per_seq = kv_cache_bytes(arch, workload.context, 1, workload.kv_dtype)  # sliding layers: their window
+    kv_total = per_seq * workload.batch
     overhead = runtime_overhead(arch, workload.context, workload.batch, tp=tp)
     total = -(-size.total_bytes // tp) + kv_bytes_per_device(model, kv_total, tp) + overhead.total
     headroom = budget.memory_bytes - total
     fits = "no" if headroom < 0 else "tight" if headroom < HEADROOM_FRACTION * budget.memory_bytes else "yes"
-    step = decode_bytes_per_step(arch, size.total_bytes, size.expert_bytes, per_token * workload.context, workload.batch)
+    step = decode_bytes_per_step(arch, size.total_bytes, size.expert_bytes, per_seq, workload.batch)
     device = budget.device(tp)
     q = quality(size.format.name)
     prefill = None
@@ -232,7 +232,7 @@ def automatic_gguf(model: PlanModel, workload: Workload, budget: Budget) -> dict
     """The GGUF file size `convert --target-size` should aim at to fill the budget with room to
     spare (HEADROOM_FRACTION), or None when F16 fits anyway or not even the smallest types fit."""
     tp = workload.tp
-    kv = kv_bytes_per_device(model, kv_bytes_per_token(model.arch, workload.kv_dtype) * workload.context * workload.batch, tp)
+    kv = kv_bytes_per_device(model, kv_cache_bytes(model.arch, workload.context, workload.batch, workload.kv_dtype), tp)
     overhead = runtime_overhead(model.arch, workload.context, workload.batch, tp=tp)
     room = (int(budget.memory_bytes * (1 - HEADROOM_FRACTION)) - kv - overhead.total) * tp  # whole-model weights
     f16 = weight_size(model.arch, model.tensors, gguf_format("F16"))
@@ -337,7 +337,7 @@ def _model_info(model: PlanModel, workload: Workload) -> dict[str, Any]:
         "layers": a.num_layers, "hidden_size": a.hidden_size, "heads": a.num_heads, "kv_heads": a.num_kv_heads,
         "head_dim": a.head_dim, "vocab_size": a.vocab_size, "experts": a.extra.get("num_experts", 0),
         "experts_per_token": a.extra.get("experts_per_token", 0),
-        "kv_cache_bytes": kv_bytes_per_token(a, workload.kv_dtype) * workload.context * workload.batch,
+        "kv_cache_bytes": kv_cache_bytes(a, workload.context, workload.batch, workload.kv_dtype),
         "gguf_metadata_bytes": model.metadata_bytes, "gguf_metadata_exact": model.metadata_exact,
     }  # fmt: skip
 

@@ -36,3 +36,15 @@ def test_gemma_3_1b_preset_counts_every_tensor() -> None:
     model = from_preset(get_preset("gemma-3-1b"))
     assert model.parameters == 999_885_952
     assert "blk.0.post_ffw_norm.weight" in {t.gguf_name for t in model.tensors}
+
+
+def test_kv_cache_keeps_only_the_window_on_sliding_layers() -> None:
+    """gemma-3-1b at 32,768 tokens: 4 global layers keep every token, the 22 sliding ones their 512;
+    K and V of one KV head of 256 in f16: 1,024 bytes per layer-token."""
+    from llmopt.plan.kv_cache import kv_cache_bytes, kv_bytes_per_token
+
+    arch = get_preset("gemma-3-1b").arch
+    assert kv_cache_bytes(arch, 32768) == 1024 * (4 * 32768 + 22 * 512) == 145_752_064
+    assert kv_cache_bytes(arch, 300, batch=2) == 2 * kv_bytes_per_token(arch) * 300  # within the window: every layer
+    info = recommend(mem=8, model="gemma-3-1b", context=32768)["models"][0]
+    assert info["kv_cache_bytes"] == 145_752_064

@@ -114,6 +114,10 @@ def _one_rope(arch: ArchSpec) -> tuple[ArchSpec, ...]:
     return (arch,)
 
 
+def _whole_context(arch: ArchSpec) -> list[int | None]:
+    return [None] * arch.num_layers
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -146,6 +150,9 @@ class Family:
     # the rope tables the blocks read, one spec per table (Gemma 3: global and sliding layers' bases);
     # the decoder hands every block all of them side by side, head_dim wide each
     rope_archs: Callable[[ArchSpec], tuple[ArchSpec, ...]] = field(default=_one_rope, compare=False)
+    # per layer, how many past tokens its KV cache must keep (None: the whole context). llama.cpp
+    # keeps Mistral's whole cache ("llama" has no window), so only Gemma 3 names its sliding layers'
+    kv_windows: Callable[[ArchSpec], list[int | None]] = field(default=_whole_context, compare=False)
 
     # ------------------------------------------------------------------------------ names
     @property

@@ -130,6 +130,11 @@ def _config_keys(arch: ArchSpec) -> dict[str, Any]:
             "attention_bias": arch.attention_bias, "attn_logit_softcapping": None, "final_logit_softcapping": None}
 
 
+def _kv_windows(arch: ArchSpec) -> list[int | None]:
+    """A sliding layer never reads keys older than its window; a global layer reads them all."""
+    return [arch.sliding_window if t == SLIDING else None for t in layer_types(arch)]
+
+
 def _rope_archs(arch: ArchSpec) -> tuple[ArchSpec, ...]:
     """The global layers' table (rope_theta, with the config's scaling) and the sliding layers' own."""
     return arch, replace(arch, rope_theta=local_base(arch), rope_scaling=None)
@@ -187,4 +192,5 @@ GEMMA3 = Family(
     adapt_gguf=_adapt_gguf,
     gguf_keys=_gguf_keys,
     rope_archs=_rope_archs,
+    kv_windows=_kv_windows,
 )

@@ -14,7 +14,7 @@ from llmopt.api import convert_to_gguf, convert_to_hf
 from llmopt.model import open_model
 from llmopt.model.decoder import Decoder
 from tests.formats.gguf.llama_cpp_helpers import (assert_same_top1, gguf_types, llama_cpp_logits, llama_cpp_model,
-                                                  llama_dry_run_types)
+                                                  llama_dry_run_types, write_sparse_f16_gguf)
 from tests.model.test_gemma3 import WINDOW, ids, make_tiny_gemma3, reference
 
 
@@ -104,3 +104,20 @@ def test_gguf_to_hf_to_gguf_keeps_every_tensor(tmp_path) -> None:
     with open_model(tmp_path / "hf") as src, torch.no_grad():
         diff = (Decoder.from_source(src)(x) - ref(x).logits).abs().max().item()
     assert diff < 1e-4, diff
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q2_K", "Q3_K_M", "Q5_K_M", "Q4_K_S", "Q6_K"])
+def test_mix_rules_match_llama_cpp_at_gemma_3_1b_shapes(tmp_path, mix: str) -> None:
+    """gemma-3-1b-it's own shapes (26 layers, 1152 wide: K-quant rows fall back; 1 KV head; 262,144-token
+    tied embedding) in a file without data: every tensor's type against llama.cpp's dry run."""
+    from llmopt.formats.gguf.mixes import plan_shapes
+    from llmopt.plan.presets import get_preset
+
+    arch = get_preset("gemma-3-1b").arch
+    shapes = {"token_embd.weight": (arch.vocab_size, arch.hidden_size)}
+    for i in range(arch.num_layers):
+        shapes.update({gguf_name: shape for _, gguf_name, shape, _ in arch.family.tensor_shapes(arch, i)})
+    shapes["output_norm.weight"] = (arch.hidden_size,)
+    path = write_sparse_f16_gguf(tmp_path / "g.gguf", shapes, arch="gemma3", hidden=1152, ffn=6912, layers=26,
+                                 heads=4, kv_heads=1)  # fmt: skip
+    assert plan_shapes(shapes, mix, arch) == llama_dry_run_types(path, mix)

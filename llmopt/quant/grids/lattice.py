@@ -88,6 +88,19 @@ class Lattice:
         weights = torch.tensor([1 << (self.bits * i) for i in range(self.dims)], dtype=torch.int64)
         return (levels.to(torch.int64) * weights).sum(dim=-1)
 
+    @functools.cached_property
+    def _buckets(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per candidate-count bucket (lower, upper]: for every key, its candidates' point indices, their
+        2l + 1 values laid out [keys, dims, upper] and a mask of the padding."""
+        out, lower = [], 0
+        for upper in (*NEIGHBOUR_WIDTHS, self.neighbours.shape[1]):
+            cand = self.neighbours[:, :upper].to(torch.int64)
+            valid = cand >= 0
+            values = self.points[cand.clamp(min=0)].permute(0, 2, 1).contiguous()  # [keys, dims, upper]
+            out.append((lower, upper, cand, values, valid))
+            lower = upper
+        return out
+
     def best_neighbour(self, keys: torch.Tensor, xval: torch.Tensor, waux: torch.Tensor,
                        scale: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """llama.cpp's iq2/iq3_find_best_neighbour for off-grid groups: among a key's candidates, the
@@ -95,21 +108,16 @@ class Lattice:
         keys [n], xval/waux [n, dims], scale [n] -> point index [n]."""
         best = torch.empty(keys.shape, dtype=torch.int64)
         counts = self.neighbour_counts[keys]
-        lower = 0
-        for upper in (*NEIGHBOUR_WIDTHS, self.neighbours.shape[1]):  # few candidates for most keys: pad per bucket
+        for lower, upper, cand, values, valid in self._buckets:  # few candidates for most keys: pad per bucket
             sel = ((counts > lower) & (counts <= upper)).nonzero()[:, 0]
-            lower = upper
             if len(sel):
-                best[sel] = self._best_of(self.neighbours[keys[sel], :upper].to(torch.int64), xval[sel], waux[sel], scale[sel])
+                k = keys[sel]
+                q = values[k]  # [m, dims, upper]
+                x, w, s = xval[sel], waux[sel], scale[sel][:, None]
+                d2 = torch.zeros(q.shape[0], q.shape[2])
+                for i in range(self.dims):
+                    diff = q[:, i].mul_(s).sub_(x[:, i, None])
+                    d2.add_(diff.mul(w[:, i, None]).mul_(diff))
+                d2.masked_fill_(~valid[k], torch.inf)
+                best[sel] = cand[k].gather(1, d2.argmin(dim=1, keepdim=True))[:, 0]
         return best
-
-    def _best_of(self, cand: torch.Tensor, xval: torch.Tensor, waux: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        valid = cand >= 0
-        q = self.points[cand.clamp(min=0)]  # [n, width, dims]
-        d2 = torch.zeros(cand.shape, dtype=torch.float32)
-        s = scale[:, None]
-        for i in range(self.dims):
-            diff = (s * q[:, :, i]).sub_(xval[:, None, i])
-            d2.add_(diff.mul(waux[:, None, i]).mul_(diff))
-        d2 = torch.where(valid, d2, torch.full_like(d2, torch.inf))
-        return cand.gather(1, d2.argmin(dim=1, keepdim=True))[:, 0]

@@ -48,6 +48,7 @@ def _render(info: dict[str, Any]) -> None:
         "ffn size": a["intermediate_size"], "vocab": a["vocab_size"], "context": a["max_position_embeddings"],
         "rope theta": a["rope_theta"], "rope scaling": a["rope_scaling"] or "none", "norm eps": a["rms_norm_eps"],
         "tied embeddings": a["tie_word_embeddings"], "q/k/v bias": a["attention_bias"],
+        "sliding window": a["sliding_window"] or "none",
     }))
     out.print(_kv_table("Size", {
         "parameters": f"{human_count(info['parameters'])} ({info['parameters']:,})",

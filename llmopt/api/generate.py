@@ -12,8 +12,10 @@ from pathlib import Path
 
 from llmopt.errors import InputError, OptionError
 from llmopt.runtime.chat import apply_chat_template
-from llmopt.runtime.generate import GenerationResult, Generator
+from llmopt.runtime.generate import GenerationResult, Generator, Metrics
 from llmopt.runtime.sampling import SamplingConfig
+from llmopt.runtime.self_speculative import LayerSkipDraft
+from llmopt.runtime.skip_search import search_skip_layers
 from llmopt.runtime.speculative import DraftModel, PromptLookup
 from llmopt.runtime.weights import LoadedModel, load_model
 
@@ -30,23 +32,29 @@ def generate(model: str | Path | LoadedModel, prompt: str, *, max_tokens: int = 
              top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
              seed: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False, chat: bool = False,
              system: str | None = None, draft: str | Path | None = None, num_draft: int = 4, prompt_lookup: int = 0,
+             self_speculative: bool = False, skip_layers: Sequence[int] | None = None,
              prefill_chunk: int = 512, compile: bool = False, dtype: str = "auto", device: str = "auto",
              packed: bool = True, on_text: Callable[[str], None] | None = None) -> GenerationResult:  # fmt: skip
     """Continue `prompt` (wrapped in the model's chat template with `chat`). Temperature 0 is greedy;
-    `draft` (a smaller model sharing the tokenizer) or `prompt_lookup` (n-gram length) turn on
-    speculative decoding, whose output is exactly the plain decoder's. `on_text` streams the text."""
+    `draft` (a smaller model sharing the tokenizer), `prompt_lookup` (n-gram length) or
+    `self_speculative` (the model itself with `skip_layers` skipped, searched on the prompt when not
+    given) turn on speculative decoding, whose output is exactly the plain decoder's. `on_text`
+    streams the text."""
     sampling = check_options(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                              repetition_penalty=repetition_penalty, chat=chat, system=system, draft=draft,
-                             num_draft=num_draft, prompt_lookup=prompt_lookup, prefill_chunk=prefill_chunk,
-                             max_tokens=max_tokens, seed=seed)  # fmt: skip
+                             num_draft=num_draft, prompt_lookup=prompt_lookup, self_speculative=self_speculative,
+                             skip_layers=skip_layers, prefill_chunk=prefill_chunk, max_tokens=max_tokens,
+                             seed=seed)  # fmt: skip
     target = model if isinstance(model, LoadedModel) else load(model, dtype=dtype, device=device, packed=packed)
     tok = target.tokenizer
     if tok is None:
         raise OptionError(f"{target.path}: has no tokenizer, so it cannot take a text prompt")
     ids = _encode(tok, prompt, chat, system)
     max_tokens = _fit_context(len(ids), max_tokens, target.model.arch.max_position_embeddings)
-    drafter = None
-    if draft:
+    drafter, notes = None, Metrics()
+    if self_speculative or skip_layers is not None:
+        drafter = _layer_skip_drafter(target.model, ids, sampling, num_draft, skip_layers, notes)
+    elif draft:
         d = load(draft, dtype=dtype, device=device, packed=packed)
         if d.model.arch.vocab_size != target.model.arch.vocab_size or (d.tokenizer and d.tokenizer.encode(prompt) != tok.encode(prompt)):
             raise OptionError(f"<draft> {draft}: its tokenizer differs from the model's; a draft must share the vocabulary")
@@ -54,7 +62,32 @@ def generate(model: str | Path | LoadedModel, prompt: str, *, max_tokens: int = 
     elif prompt_lookup:
         drafter = PromptLookup(prompt_lookup)
     gen = Generator(target.model, tok, drafter, num_draft, prefill_chunk, compile=compile)
-    return gen.generate(ids, max_tokens, sampling, list(stop), seed, ignore_eos, on_text)
+    result = gen.generate(ids, max_tokens, sampling, list(stop), seed, ignore_eos, on_text)
+    result.metrics.skip_layers, result.metrics.skip_search_s = notes.skip_layers, notes.skip_search_s
+    result.metrics.predicted_speedup = notes.predicted_speedup
+    return result
+
+
+def _layer_skip_drafter(model, ids: list[int], sampling: SamplingConfig, num_draft: int,
+                        skip_layers: Sequence[int] | None, notes: Metrics) -> LayerSkipDraft | None:
+    """The self-speculative drafter: `skip_layers` as given, or the search's set on the prompt. A
+    searched set predicted to be slower than plain decoding is not used (the output is the same
+    either way), with a warning; the search's numbers go into `notes`."""
+    if skip_layers is not None:
+        drafter = LayerSkipDraft(model, skip_layers)
+        notes.skip_layers = list(drafter.skip)
+        return drafter
+    choice = search_skip_layers(model, ids, sampling, num_draft)
+    notes.skip_search_s, notes.predicted_speedup = round(choice.seconds, 3), round(choice.predicted_speedup, 3)
+    if not choice.pays_off:
+        logging.getLogger(__name__).warning(
+            "self-speculation is predicted at %.2fx plain decoding here (best skip set %s, acceptance %.2f); "
+            "decoding plainly (skip_layers forces a set)", choice.predicted_speedup,
+            ",".join(map(str, choice.skip)) or "none", choice.acceptance)
+        notes.skip_layers = []
+        return None
+    notes.skip_layers = list(choice.skip)
+    return LayerSkipDraft(model, choice.skip)
 
 
 # What one request of a batch may set for itself (a line of `--prompts`), and the JSON types it takes.
@@ -177,13 +210,18 @@ def _encode(tok, prompt: str, chat: bool, system: str | None) -> list[int]:
 
 def check_options(*, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                   repetition_penalty: float = 1.0, chat: bool = False, system: str | None = None,
-                  draft: str | Path | None = None, num_draft: int = 4, prompt_lookup: int = 0, prefill_chunk: int = 512,
+                  draft: str | Path | None = None, num_draft: int = 4, prompt_lookup: int = 0,
+                  self_speculative: bool = False, skip_layers: Sequence[int] | None = None, prefill_chunk: int = 512,
                   max_tokens: int = 256, seed: int | None = None) -> SamplingConfig:  # fmt: skip
     """Refuse option combinations `generate` cannot run, before any model is loaded; the sampling config."""
     if seed is not None and not 0 <= seed < 2**64:
         raise OptionError(f"<seed> {seed}: expected 0 to 2**64 - 1 (torch's generator seed)")
     if draft and prompt_lookup:
         raise OptionError("choose one of <draft> and <prompt_lookup>")
+    if (self_speculative or skip_layers is not None) and (draft or prompt_lookup):
+        raise OptionError("<self_speculative> drafts with the model itself; it does not combine with <draft> or <prompt_lookup>")
+    if skip_layers is not None and not skip_layers:
+        raise OptionError("<skip_layers> is empty; give the layers to skip, e.g. 3,5,7")
     if prompt_lookup < 0 or num_draft < 1 or prefill_chunk < 1:
         raise OptionError("<prompt_lookup> must be >= 0, <num_draft> and <prefill_chunk> >= 1")
     if max_tokens < 1:

@@ -35,6 +35,14 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
         raise InputError(f"{prompt_file}: cannot read prompt ({e.__class__.__name__}: {e})") from None
 
 
+def parse_layers(text: str) -> list[int]:
+    """`--skip-layers 3,5,7` as layer numbers."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise OptionError(f"<skip_layers> {text!r}: expected layer numbers separated by commas, e.g. 3,5,7") from None
+
+
 def generate_command(
     ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="A .gguf file, an HF directory (float or GPTQ) or a hub id.")],
@@ -54,6 +62,10 @@ def generate_command(
     draft: Annotated[Optional[str], typer.Option("--draft", help="Draft model for speculative decoding (same tokenizer).")] = None,
     num_draft: Annotated[int, typer.Option("--num-draft", "-k", help="Tokens drafted per verification step.")] = 4,
     prompt_lookup: Annotated[int, typer.Option("--prompt-lookup", help="Speculate by matching the last N-gram in the text so far (0 = off).")] = 0,
+    self_speculative: Annotated[bool, typer.Option("--self-speculative", help="Speculate with the model itself, some "
+                                                   "layers skipped (chosen by a short search on the prompt).")] = False,
+    skip_layers: Annotated[Optional[str], typer.Option("--skip-layers", help="With --self-speculative: the layers to "
+                                                       "skip, e.g. 3,5,7 (instead of the search; implies it).")] = None,
     threads: ThreadsOpt = 0,
     packed: PackedOpt = True,
     dtype: DTypeOpt = "auto",
@@ -82,8 +94,9 @@ def generate_command(
     if prompts is not None:
         if prompt is not None or prompt_file is not None:
             raise OptionError("give <prompts> FILE, or one of <prompt> TEXT and <prompt_file> FILE, not both")
-        if draft or compile_step:
-            raise OptionError("<prompts> runs a batch; <draft> and <compile> run one sequence (use <prompt_lookup>)")
+        if draft or compile_step or self_speculative or skip_layers is not None:
+            raise OptionError("<prompts> runs a batch; <draft>, <self_speculative> and <compile> run one sequence "
+                              "(use <prompt_lookup>)")
         return generate_many(model, prompts, output, opts, dict(
             max_batch=max_batch, kv_blocks=kv_blocks, block_size=block_size, max_tokens=max_tokens,
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -92,15 +105,18 @@ def generate_command(
     if output is not None:
         raise OptionError("<output> writes the answers of <prompts>; with one prompt the text goes to stdout")
     text = read_prompt(prompt, prompt_file)
+    layers = parse_layers(skip_layers) if skip_layers is not None else None
     check_options(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                   chat=chat, system=system, draft=draft, num_draft=num_draft, prompt_lookup=prompt_lookup,
-                  prefill_chunk=prefill_chunk, max_tokens=max_tokens, seed=seed)  # fmt: skip
+                  self_speculative=self_speculative, skip_layers=layers, prefill_chunk=prefill_chunk,
+                  max_tokens=max_tokens, seed=seed)  # fmt: skip
     target = load(model, dtype=dtype, device=opts.device, packed=packed)
     on_text = None if opts.json else (lambda piece: out.print(piece, end="", markup=False, highlight=False, soft_wrap=True))
     result = generate(target, text, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                       min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop or [],
                       ignore_eos=ignore_eos, chat=chat, system=system, draft=draft, num_draft=num_draft,
-                      prompt_lookup=prompt_lookup, prefill_chunk=prefill_chunk, compile=compile_step, dtype=dtype,
+                      prompt_lookup=prompt_lookup, self_speculative=self_speculative, skip_layers=layers,
+                      prefill_chunk=prefill_chunk, compile=compile_step, dtype=dtype,
                       device=opts.device, packed=packed, on_text=on_text)  # fmt: skip
     if opts.json:
         emit_json({"text": result.text, "tokens": result.token_ids, "metrics": result.metrics.to_dict(),

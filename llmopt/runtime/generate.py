@@ -35,6 +35,9 @@ class Metrics:
     target_forwards: int = 0  # forward passes of the target model after prefill
     stop_reason: str = ""  # "eos", "stop", "max_tokens" ("cancelled" in a batch)
     cached_tokens: int | None = None  # prompt tokens whose K/V came from the prefix cache (batch engine)
+    skip_layers: list[int] | None = None  # self-speculative: the layers the draft skipped ([]: none used)
+    skip_search_s: float | None = None  # self-speculative: the skip-set search's time (before prefill)
+    predicted_speedup: float | None = None  # self-speculative: the search's prediction for its set
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -45,6 +48,10 @@ class Metrics:
         if self.drafted_tokens is not None:
             parts.append(f"drafted {self.drafted_tokens}, accepted {self.accepted_tokens} "
                          f"({100 * (self.acceptance_rate or 0):.1f}%)")
+        if self.skip_layers is not None:
+            searched = "" if self.skip_search_s is None else \
+                f" (searched in {self.skip_search_s:.1f} s, predicted {self.predicted_speedup:.2f}x)"
+            parts.append(f"skipped layers {','.join(map(str, self.skip_layers)) or 'none'}{searched}")
         return " | ".join(parts)
 
 

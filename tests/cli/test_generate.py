@@ -41,6 +41,23 @@ def test_speculative_flags_report_acceptance(llmopt_here, tiny_models, tmp_path)
         assert data["metrics"]["drafted_tokens"] > 0 and 0 <= data["metrics"]["acceptance_rate"] <= 1
 
 
+def test_self_speculative_flags_give_plain_tokens_and_report_the_skip_set(llmopt_here, tiny_models, tmp_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Pack my box with five dozen liquor jugs. Pack my box with")
+    run = ("generate", tiny_models("llama"), "--prompt-file", prompt, "-n", "16", "--ignore-eos", "--json")
+    plain = json.loads(llmopt_here(*run).stdout)
+    by_hand = json.loads(llmopt_here(*run, "--skip-layers", "1", "--num-draft", "3").stdout)
+    assert by_hand["tokens"] == plain["tokens"]
+    assert by_hand["metrics"]["skip_layers"] == [1] and by_hand["metrics"]["drafted_tokens"] > 0
+    r = llmopt_here(*run, "--self-speculative")
+    assert r.returncode == 0, r.stderr
+    searched = json.loads(r.stdout)
+    assert searched["tokens"] == plain["tokens"]
+    assert searched["metrics"]["skip_search_s"] > 0 and isinstance(searched["metrics"]["skip_layers"], list)
+    line = llmopt_here("generate", tiny_models("llama"), "-p", "Pack my box", "-n", "4", "--skip-layers", "0")
+    assert "skipped layers 0" in line.stderr
+
+
 @pytest.mark.slow
 def test_chat_template_from_gguf_metadata(llmopt_here, smollm2_gguf):
     r = llmopt_here("generate", smollm2_gguf, "--chat", "-p", "What is 2+2?", "-n", "8", "--json")
@@ -53,6 +70,12 @@ def test_chat_template_from_gguf_metadata(llmopt_here, smollm2_gguf):
     (["-p", "x", "--prompt-file", "f.txt"], "exactly one of"),
     ([], "exactly one of"),
     (["-p", "x", "--draft", "d", "--prompt-lookup", "2"], "one of --draft and --prompt-lookup"),
+    (["-p", "x", "--self-speculative", "--draft", "d"], "--self-speculative drafts with the model itself"),
+    (["-p", "x", "--skip-layers", "1", "--prompt-lookup", "2"], "does not combine with --draft or --prompt-lookup"),
+    (["-p", "x", "--skip-layers", "1,b"], "--skip-layers '1,b': expected layer numbers"),
+    (["-p", "x", "--skip-layers", ","], "--skip-layers is empty"),
+    (["-p", "x", "--skip-layers", "2"], "--skip-layers 2: this model's layers are 0 to 1"),
+    (["-p", "x", "--skip-layers", "0,1"], "skips all 2 layers"),
     (["-p", "x", "--temperature", "-1"], "--temperature"),
     (["-p", "x", "--dtype", "int3"], "--dtype"),
     (["-p", "x", "--chat"], "no chat template"),
@@ -138,6 +161,8 @@ def test_prompts_to_stdout_with_a_forced_preemption(llmopt_here, tiny_models, tm
     (['{"prompt": "hi"}'], ["--kv-blocks", "1", "--block-size", "4"], "KV blocks"),
     (['{"prompt": "hi"}'], ["-p", "hi"], "not both"),
     (['{"prompt": "hi"}'], ["--draft", "x"], "--prompt-lookup"),
+    (['{"prompt": "hi"}'], ["--self-speculative"], "--self-speculative"),
+    (['{"prompt": "hi"}'], ["--skip-layers", "1"], "run one sequence"),
 ])
 def test_bad_prompts_file_is_one_line_exit_2_and_no_answers(llmopt_here, tiny_models, tmp_path, lines, args, expect):
     answers = tmp_path / "answers.jsonl"

@@ -88,12 +88,13 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def write_reference_gguf(hf_dir: Path, out: Path, tensor_type: str = "F32") -> Path:
     """A GGUF of an HF directory, laid out as llama.cpp's converter does (F32/F16/Q8_0 tensors); Phi-3
     as its Phi3MiniModel: attn_qkv and ffn_up straight from the fused tensors, longrope's factors as
-    F32 tensors with rope.scaling.attn_factor."""
+    F32 tensors with rope.scaling.attn_factor; Gemma 3 as its Gemma3Model: norms stored as 1 + w, the
+    post-attention / pre- and post-FFN norms under their own names, the sliding window."""
     import gguf
     from safetensors.numpy import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
-    arch = cfg["model_type"] if cfg["model_type"] in ("qwen2", "qwen3", "phi3") else "llama"
+    arch = {"qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3_text": "gemma3"}.get(cfg["model_type"], "llama")
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name("tiny")
@@ -103,7 +104,8 @@ def write_reference_gguf(hf_dir: Path, out: Path, tensor_type: str = "F32") -> P
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    rope = cfg.get("rope_parameters") or {}
+    w.add_rope_freq_base(cfg.get("rope_theta") or rope.get("full_attention", rope)["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_dimension_count(head_dim)
     if head_dim * cfg["num_attention_heads"] != cfg["hidden_size"]:
@@ -113,6 +115,8 @@ def write_reference_gguf(hf_dir: Path, out: Path, tensor_type: str = "F32") -> P
     w.add_file_type(0 if tensor_type == "F32" else 1)
     if arch == "phi3":
         _phi3_keys(w, cfg)
+    if arch == "gemma3":
+        w.add_sliding_window(cfg["sliding_window"])
 
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
@@ -139,6 +143,10 @@ def write_reference_gguf(hf_dir: Path, out: Path, tensor_type: str = "F32") -> P
              "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
              "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
              "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
+    if arch == "gemma3":  # gguf's MODEL_TENSORS[GEMMA3]
+        block.update({"post_attention_layernorm.weight": "post_attention_norm.weight",
+                      "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                      "post_feedforward_layernorm.weight": "post_ffw_norm.weight"})
     tensors = load_file(str(hf_dir / "model.safetensors"))
     for name, value in tensors.items():
         if name.startswith("model.layers."):
@@ -147,6 +155,8 @@ def write_reference_gguf(hf_dir: Path, out: Path, tensor_type: str = "F32") -> P
         else:
             gname = names[name]
         value = value.astype(np.float32)
+        if arch == "gemma3" and name.endswith("norm.weight"):  # Gemma3Model's norm_shift
+            value = value + np.float32(1.0)
         if arch == "llama" and rest_is(name, "q_proj"):
             value = _permute(value, cfg["num_attention_heads"])
         if arch == "llama" and rest_is(name, "k_proj"):

@@ -13,8 +13,8 @@ import torch
 from llmopt.api import convert_to_gguf, convert_to_hf
 from llmopt.model import open_model
 from llmopt.model.decoder import Decoder
-from tests.formats.gguf.llama_cpp_helpers import (assert_same_top1, gguf_types, llama_cpp_logits, llama_cpp_model,
-                                                  llama_dry_run_types, write_sparse_f16_gguf)
+from tests.formats.gguf.llama_cpp_helpers import (assert_same_tensors, assert_same_top1, gguf_types, llama_cpp_logits,
+                                                  llama_cpp_model, llama_dry_run_types, write_sparse_f16_gguf)
 from tests.model.test_gemma3 import WINDOW, ids, make_tiny_gemma3, reference
 
 
@@ -94,10 +94,7 @@ def test_gguf_to_hf_to_gguf_keeps_every_tensor(tmp_path) -> None:
     convert_to_gguf(path, first, "F16")
     convert_to_hf(first, tmp_path / "hf", dtype="float32")
     convert_to_gguf(tmp_path / "hf", second, "F16")
-    a, b = gguf.GGUFReader(str(first)), gguf.GGUFReader(str(second))
-    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
-    for ta, tb in zip(a.tensors, b.tensors):
-        assert ta.tensor_type == tb.tensor_type and np.array_equal(np.asarray(ta.data), np.asarray(tb.data)), ta.name
+    assert_same_tensors(first, second)
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     assert type(ref).__name__ == "Gemma3ForCausalLM"
     x = ids(40)
@@ -121,3 +118,24 @@ def test_mix_rules_match_llama_cpp_at_gemma_3_1b_shapes(tmp_path, mix: str) -> N
     path = write_sparse_f16_gguf(tmp_path / "g.gguf", shapes, arch="gemma3", hidden=1152, ffn=6912, layers=26,
                                  heads=4, kv_heads=1)  # fmt: skip
     assert plan_shapes(shapes, mix, arch) == llama_dry_run_types(path, mix)
+
+
+def test_reads_a_gguf_laid_out_by_llama_cpps_converter(tmp_path) -> None:
+    """A file written by tests/factories.py with the gguf package, independently of llmopt, as
+    llama.cpp's Gemma3Model lays it out: llmopt reads it as it reads its own F16 file of the same
+    model, and re-writes the very same tensors."""
+    from tests.factories import write_reference_gguf
+
+    path = make_tiny_gemma3(tmp_path / "g")
+    ref_gguf, ours = tmp_path / "ref.gguf", tmp_path / "ours.gguf"
+    write_reference_gguf(path, ref_gguf, "F16")
+    convert_to_gguf(path, ours, "F16")
+    x = ids(40)
+    with open_model(ref_gguf) as theirs, open_model(ours) as mine, torch.no_grad():
+        assert theirs.arch == mine.arch and theirs.arch.extra["layer_types"] == mine.arch.extra["layer_types"]
+        assert list(theirs.tensors) == list(mine.tensors)
+        diff = (Decoder.from_source(theirs)(x) - Decoder.from_source(mine)(x)).abs().max().item()
+    assert diff < 1e-5, diff
+    again = tmp_path / "again.gguf"
+    convert_to_gguf(ref_gguf, again, "F16")
+    assert_same_tensors(ref_gguf, again, ordered=False)

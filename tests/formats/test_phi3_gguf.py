@@ -17,8 +17,8 @@ from llmopt.model.arch import ArchSpec
 from llmopt.model.decoder import Decoder
 from llmopt.model.families import PHI3
 from llmopt.model.rope import attention_factor
-from tests.formats.gguf.llama_cpp_helpers import (assert_same_top1, gguf_types, llama_cpp_logits, llama_dry_run_types,
-                                                  write_sparse_f16_gguf)
+from tests.formats.gguf.llama_cpp_helpers import (assert_same_tensors, assert_same_top1, gguf_types, llama_cpp_logits,
+                                                  llama_dry_run_types, write_sparse_f16_gguf)
 from tests.factories import write_reference_gguf
 from tests.model.test_phi3 import HEAD_DIM, ids, make_tiny_phi3
 
@@ -77,10 +77,7 @@ def test_gguf_to_hf_to_gguf_keeps_every_tensor(tmp_path) -> None:
     convert_to_gguf(path, first, "F16")
     convert_to_hf(first, tmp_path / "hf", dtype="float32")  # F32 norms stay exact
     convert_to_gguf(tmp_path / "hf", second, "F16")
-    a, b = gguf.GGUFReader(str(first)), gguf.GGUFReader(str(second))
-    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
-    for ta, tb in zip(a.tensors, b.tensors):
-        assert ta.tensor_type == tb.tensor_type and np.array_equal(np.asarray(ta.data), np.asarray(tb.data)), ta.name
+    assert_same_tensors(first, second)
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     assert type(ref).__name__ == "Phi3ForCausalLM"
     assert ref.model.layers[0].self_attn.qkv_proj.weight.shape[0] == 3 * ref.config.hidden_size
@@ -128,8 +125,4 @@ def test_reads_a_gguf_laid_out_by_llama_cpps_converter(tmp_path) -> None:
     assert diff < 1e-5, diff
     again = tmp_path / "again.gguf"
     convert_to_gguf(ref_gguf, again, "F16")
-    a, b = gguf.GGUFReader(str(ref_gguf)), gguf.GGUFReader(str(again))
-    theirs_data = {t.name: np.asarray(t.data) for t in a.tensors}
-    assert set(theirs_data) == {t.name for t in b.tensors}
-    for t in b.tensors:
-        assert np.array_equal(np.asarray(t.data), theirs_data[t.name]), t.name
+    assert_same_tensors(ref_gguf, again, ordered=False)

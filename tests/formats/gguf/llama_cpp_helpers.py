@@ -198,3 +198,15 @@ def assert_same_top1(ours: torch.Tensor, theirs: torch.Tensor, label: str) -> fl
     assert diff < 1e-2 and int(clear.sum()) >= ours.shape[0] - 4, (diff, int(clear.sum()))
     assert (theirs.argmax(-1) == ours.argmax(-1)).all()
     return diff
+
+
+def assert_same_tensors(first: Path, second: Path, ordered: bool = True) -> None:
+    """Two GGUF files hold the same tensors bit for bit: names (in the same order, with `ordered`),
+    types and data."""
+    a, b = gguf.GGUFReader(str(first)), gguf.GGUFReader(str(second))
+    names_a, names_b = [t.name for t in a.tensors], [t.name for t in b.tensors]
+    assert names_a == names_b if ordered else set(names_a) == set(names_b)
+    theirs = {t.name: t for t in b.tensors}
+    for t in a.tensors:
+        other = theirs[t.name]
+        assert t.tensor_type == other.tensor_type and np.array_equal(np.asarray(t.data), np.asarray(other.data)), t.name

@@ -98,3 +98,24 @@ def test_softcapping_is_refused(tmp_path) -> None:
     cfg["final_logit_softcapping"] = 30.0
     with pytest.raises(InputError, match="final_logit_softcapping"):
         ArchSpec.from_hf_config(cfg)
+
+
+def test_published_1b_config_reads_as_the_preset() -> None:
+    """google/gemma-3-1b-it's config.json as published (transformers 4.50's form: rope_theta,
+    rope_local_base_freq, sliding_window_pattern, no layer_types) reads as the gemma-3-1b preset."""
+    from llmopt.model.families.gemma3 import layer_types, local_base, query_scalar
+    from llmopt.plan.presets import get_preset
+
+    published = {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attention_bias": False,
+        "attn_logit_softcapping": None, "final_logit_softcapping": None, "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "intermediate_size": 6912,
+        "max_position_embeddings": 32768, "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+        "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None,
+        "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6, "vocab_size": 262144,
+        "bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0, "torch_dtype": "bfloat16",
+    }  # fmt: skip
+    arch, preset = ArchSpec.from_hf_config(published), get_preset("gemma-3-1b").arch
+    assert arch == preset
+    assert layer_types(arch) == layer_types(preset) and layer_types(arch).count("full_attention") == 4
+    assert local_base(arch) == local_base(preset) == 10000.0 and query_scalar(arch) == 256

@@ -87,7 +87,8 @@ def _adapt_hf(arch: ArchSpec, cfg: dict[str, Any]) -> ArchSpec:
     extra = {**arch.extra, "layer_types": list(types),
              "rope_local_base_freq": float(local.get("rope_theta", cfg.get("rope_local_base_freq", LOCAL_BASE))),
              "query_pre_attn_scalar": cfg.get("query_pre_attn_scalar", 256)}
-    return replace(arch, rope_theta=float(theta), rope_scaling=scaling, extra=extra)
+    tied = bool(cfg.get("tie_word_embeddings", True))  # Gemma3TextConfig's default; gemma-3-1b's config omits it
+    return replace(arch, rope_theta=float(theta), rope_scaling=scaling, tie_word_embeddings=tied, extra=extra)
 
 
 def _adapt_gguf(arch: ArchSpec, meta: dict[str, Any]) -> ArchSpec:

@@ -56,3 +56,21 @@ def test_paged_prefill_logits_match_the_whole_forward(gemma3) -> None:
         hidden = model.hidden(torch.cat([a, b])[None], packed, pool)[0]
         want = torch.cat([model.hidden(a[None])[0], model.hidden(b[None])[0]])
     assert (hidden - want).abs().max().item() < 1e-4
+
+
+def test_static_step_matches_eager_logits(gemma3) -> None:
+    """The fixed-shape decode step (what torch.compile compiles) selects each layer's rope table from
+    the full table and masks each layer by its own window, as the eager decoder does, past the window."""
+    from llmopt.model.kv_cache import StaticKVCache
+    from llmopt.runtime.compiled import StaticDecodeStep
+
+    _, model = gemma3
+    x = ids(40, seed=4)
+    cache = StaticKVCache(model.arch, 64)
+    step = StaticDecodeStep(model, cache)
+    with torch.no_grad():
+        model.hidden(x[:, :8], 0, cache)
+        for pos in range(8, 40):
+            got = step(x[0, pos:pos + 1], torch.tensor([pos]))
+            want = model(x[:, : pos + 1])[0, -1]
+            assert (got - want).abs().max().item() < 1e-4, pos

@@ -10,7 +10,8 @@ cheaper and fewer of them accepted. The search measures both on this machine and
   p over its last `window` positions are kept. A candidate skip set then runs over that window
   on top of the full model's K/V of everything before it, giving q at each position; the
   acceptance per drafted token is the rejection rule's, sum(min(p, q)) (for greedy: whether the
-  argmaxes agree). Drafting the window in one pass puts more draft-made K/V in each position's
+  argmaxes agree), with the sampling filters but not the repetition penalty (it depends on each
+  position's own history). Drafting the window in one pass puts more draft-made K/V in each position's
   context than a real step of K drafts does, so the estimate errs low.
 - the predicted speed-up of a set with acceptance a is E / (K * draft + V) * T, where
   E = 1 + a + ... + a^K is the expected number of tokens a step emits.
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmopt.errors import InputError
+from llmopt.errors import OptionError
 from llmopt.model.decoder import Decoder
 from llmopt.model.kv_cache import StaticKVCache
 from llmopt.runtime.sampling import SamplingConfig, probabilities
@@ -73,7 +74,8 @@ class WindowScorer:
 
     def __init__(self, model: Decoder, ids: list[int], window: int, cfg: SamplingConfig, num_draft: int):
         if len(ids) < 2:
-            raise InputError("the self-speculative search needs a text of at least 2 tokens")
+            raise OptionError(f"the prompt has {len(ids)} token; <self_speculative>'s search needs at least 2 "
+                              "(or give <skip_layers>)")
         self.model, self.cfg, self.num_draft = model, cfg, num_draft
         self.window = min(window, len(ids) - 1)
         self.start = len(ids) - self.window
@@ -133,22 +135,21 @@ class WindowScorer:
 
         self.model.hidden(self.ids[:, self.start:], self.start, self.cache)  # the window's K/V, the full model's again
         h = self.model.hidden(token, end, self.cache)[0, -1]
+        cuda = h.device.type == "cuda"
+
+        def timed(run: Callable[[], object]) -> float:
+            t0 = time.perf_counter()
+            run()
+            if cuda:
+                torch.cuda.synchronize()
+            return 1000 * (time.perf_counter() - t0)
+
         runs = (lambda: forward(token), lambda: self.model.lm_head(h), lambda: forward(block))
         for run in runs:
-            run()  # warm-up: first calls allocate
-        # interleaved, best of 3 each: load from other work on the machine hits all three alike
-        step, head, verify = (min(t) for t in zip(*([best_time(run, 1) for run in runs] for _ in range(3))))
+            timed(run)  # warm-up: first calls allocate
+        times = [[timed(run) for run in runs] for _ in range(3)]  # interleaved: other work on the machine hits all alike
+        step, head, verify = (min(column) for column in zip(*times))  # the least disturbed of each
         return step, head, verify
-
-
-def best_time(run: Callable[[], object], repeats: int = 3) -> float:
-    """The fastest of `repeats` runs, in ms (the least disturbed by other work on the machine)."""
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - t0)
-    return 1000 * best
 
 
 def search_skip_layers(model: Decoder, ids: list[int], cfg: SamplingConfig = SamplingConfig(), num_draft: int = 4, *,

@@ -76,6 +76,7 @@ def test_chat_template_from_gguf_metadata(llmopt_here, smollm2_gguf):
     (["-p", "x", "--skip-layers", ","], "--skip-layers is empty"),
     (["-p", "x", "--skip-layers", "2"], "--skip-layers 2: this model's layers are 0 to 1"),
     (["-p", "x", "--skip-layers", "0,1"], "skips all 2 layers"),
+    (["-p", "x", "--self-speculative"], "--self-speculative's search needs at least 2 (or give --skip-layers)"),
     (["-p", "x", "--temperature", "-1"], "--temperature"),
     (["-p", "x", "--dtype", "int3"], "--dtype"),
     (["-p", "x", "--chat"], "no chat template"),

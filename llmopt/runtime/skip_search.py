@@ -11,8 +11,10 @@ cheaper and fewer of them accepted. The search measures both on this machine and
   on top of the full model's K/V of everything before it, giving q at each position; the
   acceptance per drafted token is the rejection rule's, sum(min(p, q)) (for greedy: whether the
   argmaxes agree), with the sampling filters but not the repetition penalty (it depends on each
-  position's own history). Drafting the window in one pass puts more draft-made K/V in each position's
-  context than a real step of K drafts does, so the estimate errs low.
+  position's own history). It is an estimate for ranking sets: drafting the window in one pass
+  puts more draft-made K/V in each position's context than a step of K drafts does, and the
+  prompt is not the text the model will write (on SmolLM2 it came out above the acceptance
+  measured while decoding); the metrics report the real one.
 - the predicted speed-up of a set with acceptance a is E / (K * draft + V) * T, where
   E = 1 + a + ... + a^K is the expected number of tokens a step emits.
 
@@ -155,7 +157,8 @@ class WindowScorer:
 def search_skip_layers(model: Decoder, ids: list[int], cfg: SamplingConfig = SamplingConfig(), num_draft: int = 4, *,
                        window: int = 16, candidates: int = 4, patience: int = 2, budget: float = 4.0) -> SkipChoice:
     """The skip set for self-speculative decoding of `model` on text like `ids` (module docstring).
-    `budget` (seconds) bounds the greedy rounds; the scoring of single layers always completes."""
+    `budget` (seconds, counted from the start) stops the greedy rounds; the timings, the scores of
+    single layers and the first round always complete."""
     t0 = time.perf_counter()
     scorer = WindowScorer(model, ids, window, cfg, num_draft)
     step, head, verify = scorer.costs()

@@ -89,12 +89,23 @@ class Lattice:
         return (levels.to(torch.int64) * weights).sum(dim=-1)
 
     @functools.cached_property
+    def reachable(self) -> torch.Tensor:
+        """The keys a search can form (levels below `nlevels`): the rows of the bucket tables."""
+        return torch.from_numpy(np.flatnonzero((self.keys < self.nlevels).all(axis=1)))
+
+    @functools.cached_property
+    def row_of_key(self) -> torch.Tensor:
+        rows = torch.full((len(self.keys),), -1, dtype=torch.int64)
+        rows[self.reachable] = torch.arange(len(self.reachable))
+        return rows
+
+    @functools.cached_property
     def _buckets(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per candidate-count bucket (lower, upper]: for every key, its candidates' point indices, their
-        2l + 1 values laid out [keys, dims, upper] and a mask of the padding."""
+        """Per candidate-count bucket (lower, upper]: for every reachable key, its candidates' point
+        indices, their 2l + 1 values laid out [keys, dims, upper] and a mask of the padding."""
         out, lower = [], 0
         for upper in (*NEIGHBOUR_WIDTHS, self.neighbours.shape[1]):
-            cand = self.neighbours[:, :upper].to(torch.int64)
+            cand = self.neighbours[self.reachable, :upper].to(torch.int64)
             valid = cand >= 0
             values = self.points[cand.clamp(min=0)].permute(0, 2, 1).contiguous()  # [keys, dims, upper]
             out.append((lower, upper, cand, values, valid))
@@ -111,7 +122,7 @@ class Lattice:
         for lower, upper, cand, values, valid in self._buckets:  # few candidates for most keys: pad per bucket
             sel = ((counts > lower) & (counts <= upper)).nonzero()[:, 0]
             if len(sel):
-                k = keys[sel]
+                k = self.row_of_key[keys[sel]]
                 q = values[k]  # [m, dims, upper]
                 x, w, s = xval[sel], waux[sel], scale[sel][:, None]
                 d2 = torch.zeros(q.shape[0], q.shape[2])

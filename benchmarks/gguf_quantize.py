@@ -9,6 +9,9 @@ random fp16 model (about 13.5 GB on disk) to check that peak memory follows the 
     python benchmarks/gguf_quantize.py                      # Q8_0, Q6_K, Q4_K_M, IQ4_XS
     python benchmarks/gguf_quantize.py --types all --perplexity 40 --imatrix-chunks 40
     python benchmarks/gguf_quantize.py --llama7b /big/disk  # needs ~30 GB free
+    python benchmarks/gguf_quantize.py --types IQ3_XXS,IQ2_XXS --imatrix-chunks 10 --models wide  # i-quants
+Mixes that llama-quantize refuses without an importance matrix (IQ3_XXS, IQ3_XS, IQ2_*) run only
+with one (`--imatrix-chunks`).
 Prints a table, then JSON.
 """
 
@@ -161,6 +164,7 @@ def main() -> None:
     p.add_argument("--llama7b", default=None, help="folder for the 13.5 GB Llama-2-7B-shaped peak-RSS run")
     p.add_argument("--llama7b-llama", action="store_true",
                    help="also time llama.cpp on the 7B shape (needs an extra 13.5 GB F16 GGUF, written by llmopt)")
+    p.add_argument("--wide-layers", type=int, default=4, help="layers of the wide random model")
     p.add_argument("--models", default="smollm2,wide",
                    help="comma list: smollm2 (hidden 576: K mixes fall back to legacy types on most tensors), "
                         "wide (random llama, hidden 1024, FFN 2816, 4 layers: K-quants on every tensor)")
@@ -178,7 +182,7 @@ def main() -> None:
         for model in [m for m in args.models.split(",") if m]:
             work = Path(tmp) / model
             work.mkdir()
-            hf = smollm2_hf(work) if model == "smollm2" else wide_hf(work)
+            hf = smollm2_hf(work) if model == "smollm2" else wide_hf(work, args.wide_layers)
             bench_model(model, hf, work, types, threads, args, rows, report)
         if args.llama7b:
             report["llama7b"] = llama7b_peak(Path(args.llama7b), threads, args.llama7b_llama)
@@ -191,11 +195,21 @@ def main() -> None:
     print(json.dumps(report, indent=1))
 
 
-def wide_hf(work: Path) -> Path:
+def wide_hf(work: Path, layers: int = 4) -> Path:
     """A random llama whose every matrix row divides into 256, so K mixes use K-quants everywhere."""
     from tests.formats.gguf.models import make_wide_hf
 
-    return make_wide_hf(work / "wide-f16", hidden=1024, ffn=2816, layers=4, heads=8, kv_heads=4)
+    return make_wide_hf(work / "wide-f16", hidden=1024, ffn=2816, layers=layers, heads=8, kv_heads=4)
+
+
+def needs_imatrix(hf: Path, mix: str) -> bool:
+    """llama-quantize refuses `mix` for this model without an importance matrix (mixes.requires_imatrix)."""
+    from llmopt.formats.gguf.mixes import requires_imatrix
+    from llmopt.formats.gguf.writer import plan_gguf
+    from llmopt.model import open_model
+
+    with open_model(hf) as src:
+        return any(requires_imatrix(t.gguf_name, t.type_name) for t in plan_gguf(src, mix).tensors)
 
 
 def bench_model(model: str, hf: Path, work: Path, types: list[str], threads: int, args, rows: list, report: dict) -> None:  # noqa: ANN001
@@ -209,7 +223,10 @@ def bench_model(model: str, hf: Path, work: Path, types: list[str], threads: int
                         f"{args.data}/valid.txt", "-o", imatrix, "--chunks", str(args.imatrix_chunks)],
                        check=True, cwd=ROOT)  # fmt: skip
     for mix in types:
-        for weighted in ([False, True] if imatrix else [False]):
+        weightings = [True] if needs_imatrix(hf, mix) else [False, True]
+        if not imatrix and weightings == [True]:
+            raise SystemExit(f"{mix} needs an importance matrix: add --imatrix-chunks N")
+        for weighted in (weightings if imatrix else [False]):
             tag = mix + ("+imatrix" if weighted else "")
             ours, theirs = work / f"{tag}.ours.gguf", work / f"{tag}.llama.gguf"
             a = run_job("llmopt", str(hf), str(ours), mix, imatrix if weighted else "")

@@ -93,3 +93,25 @@ def test_legacy_bytes_and_dequantization_equal_the_gguf_package(smollm2_hf: Path
                 continue
             ours = quantize(t.tensor_type.name, w).dequantize().numpy()
             assert np.array_equal(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(ours.shape), ours)
+
+
+@pytest.mark.parametrize("mix", ["IQ3_XXS", "IQ2_XXS"])
+def test_i_quant_mixes_with_an_imatrix(smollm2_hf: Path, smol, tmp_path: Path, mix: str) -> None:
+    """The lattice i-quant mixes, which llama-quantize refuses without an importance matrix: with one
+    (random, the same for both tools) our file is block-for-block llama_model_quantize's of our F16,
+    loads in llama.cpp and answers. (SmolLM2's 576-wide rows fall back to IQ4_NL; ffn_down, 1536
+    wide, is on the lattice types.)"""
+    from tests.formats.gguf.test_writer import blocks
+
+    g = torch.Generator().manual_seed(0)
+    with open_model(smollm2_hf) as src:
+        plan = plan_gguf(src, mix, has_imatrix=True)
+        importance = {t.gguf_name: torch.rand(t.shape[-1], generator=g) ** 3 * 5 + 0.01 for t in plan.tensors
+                      if t.gguf_name.startswith("blk.") and len(t.shape) == 2}  # fmt: skip
+        ours = write_gguf(src, tmp_path / "ours.gguf", plan, importance=importance)
+    lattice = {n for n, (t, _) in blocks(ours).items() if t.startswith(("IQ2", "IQ3"))}
+    assert any("ffn_down" in n for n in lattice)
+    theirs = llama_quantize(smol("F16"), tmp_path / "theirs.gguf", mix, nthread=2,
+                            imatrix={n: v.numpy() for n, v in importance.items()})  # fmt: skip
+    assert_same_as_llama_cpp(ours, theirs)
+    assert len(answer(ours).split()) >= 3

@@ -52,8 +52,8 @@ def main() -> None:
             psize = weight_size(preset.arch, preset.tensors, gguf_format(mix))
             results.append({
                 "type": mix, "llama_cpp_bytes": actual, "quantize_seconds": round(seconds, 2),
-                "llmopt_bytes": gguf_file_bytes(model.tensors, size.tensor_types, model.metadata_bytes, model.alignment),
-                "llmopt_preset_bytes": gguf_file_bytes(preset.tensors, psize.tensor_types, preset.metadata_bytes),
+                "llmopt_bytes": gguf_file_bytes(model.tensors, size.type_counts, model.metadata_bytes, model.alignment),
+                "llmopt_preset_bytes": gguf_file_bytes(preset.tensors, psize.type_counts, preset.metadata_bytes),
                 "naive_bytes": int(model.parameters * NOMINAL_BITS[mix] / 8),
             })  # fmt: skip
     print(f"{'type':8}{'llama.cpp':>14}{'llmopt':>14}{'err %':>9}{'preset':>14}{'err %':>9}{'naive':>14}{'err %':>9}")

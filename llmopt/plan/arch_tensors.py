@@ -9,13 +9,18 @@ GGUF-only ones; tests check it against the tensors of real files.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from llmopt.model.arch import ArchSpec
 from llmopt.model.families.base import BIAS, EMBEDDING, EXPERT, LINEAR, NORM, OUTPUT, ROPE, ROUTER
 from llmopt.model.rope import gguf_only_tensors
 
-__all__ = ["BIAS", "EMBEDDING", "EXPERT", "LINEAR", "NORM", "OUTPUT", "ROPE", "ROUTER", "PlannedTensor", "arch_tensors"]
+__all__ = ["BIAS", "EMBEDDING", "EXPERT", "LINEAR", "NORM", "OUTPUT", "ROPE", "ROUTER", "PlannedTensor", "PlannedTensors",
+           "arch_tensors"]  # fmt: skip
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,19 @@ class PlannedTensor:
         return linear_count(self.role, self.shape)
 
 
+class PlannedTensors(list[PlannedTensor]):
+    """A model's tensors. Sizing each candidate format reads the same per-model sums (parameters,
+    directory bytes, llama.cpp's tensor classes), so `once` computes each of them a single time;
+    the list is never changed after it is built."""
+
+    def once(self, compute: Callable[[PlannedTensors], T]) -> T:
+        """compute(self), remembered for this list."""
+        memo = self.__dict__.setdefault("_memo", {})
+        if compute not in memo:
+            memo[compute] = compute(self)
+        return memo[compute]
+
+
 def linear_count(role: str, shape: tuple[int, ...]) -> int:
     """How many separate [out, in] matrices a tensor holds (experts are stored merged in GGUF)."""
     return shape[0] if role == EXPERT else 1
@@ -47,7 +65,7 @@ def experts_per_token(arch: ArchSpec) -> int:
     return int(arch.extra.get("experts_per_token", 0))
 
 
-def arch_tensors(arch: ArchSpec) -> list[PlannedTensor]:
+def arch_tensors(arch: ArchSpec) -> PlannedTensors:
     """All tensors of a model of this architecture, in checkpoint order (embeddings, blocks, head)."""
     h = arch.hidden_size
     tensors = [PlannedTensor("model.embed_tokens.weight", "token_embd.weight", (arch.vocab_size, h), EMBEDDING)]
@@ -57,11 +75,15 @@ def arch_tensors(arch: ArchSpec) -> list[PlannedTensor]:
     tensors.append(PlannedTensor("model.norm.weight", "output_norm.weight", (h,), NORM))
     if not arch.tie_word_embeddings:
         tensors.append(PlannedTensor("lm_head.weight", "output.weight", (arch.vocab_size, h), OUTPUT))
-    return tensors
+    return PlannedTensors(tensors)
 
 
-def parameter_count(tensors: list[PlannedTensor]) -> int:
+def parameter_count(tensors: PlannedTensors) -> int:
     """Parameters as HF counts them (GGUF-only rope factors excluded)."""
+    return tensors.once(_parameter_count)
+
+
+def _parameter_count(tensors: PlannedTensors) -> int:
     return sum(t.numel for t in tensors if t.hf_name is not None)
 
 

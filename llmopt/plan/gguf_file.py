@@ -10,11 +10,11 @@ otherwise estimated from the vocabulary.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 
 from llmopt.formats.gguf.types import aligned, tensor_nbytes
-from llmopt.plan.arch_tensors import PlannedTensor
+from llmopt.plan.arch_tensors import PlannedTensors
 
 HEADER_BYTES = 4 + 4 + 8 + 8  # magic, version, tensor count, key/value count
 DEFAULT_ALIGNMENT = 32
@@ -57,10 +57,13 @@ def tensor_info_bytes(name: str, ndim: int) -> int:
     return 8 + len(name.encode()) + 4 + 8 * ndim + 4 + 8
 
 
-def gguf_file_bytes(tensors: list[PlannedTensor], types: dict[str, str], metadata_bytes: int,
-                    alignment: int = DEFAULT_ALIGNMENT) -> int:
-    """Exact file size of a GGUF holding `tensors` with these GGML `types` and metadata."""
-    directory = sum(tensor_info_bytes(t.gguf_name, len(t.shape)) for t in tensors)
-    pairs = Counter((types[t.gguf_name], t.shape) for t in tensors)  # layers repeat a few (type, shape) pairs
-    data = sum(n * aligned(tensor_nbytes(type_name, shape), alignment) for (type_name, shape), n in pairs.items())
-    return aligned(HEADER_BYTES + metadata_bytes + directory, alignment) + data
+def gguf_file_bytes(tensors: PlannedTensors, type_counts: Mapping[tuple[str, tuple[int, ...]], int],
+                    metadata_bytes: int, alignment: int = DEFAULT_ALIGNMENT) -> int:  # fmt: skip
+    """Exact file size of a GGUF holding `tensors`, `type_counts[type, shape]` of them of each GGML type
+    and shape (`WeightSize.type_counts`), and this much metadata."""
+    data = sum(n * aligned(tensor_nbytes(type_name, shape), alignment) for (type_name, shape), n in type_counts.items())
+    return aligned(HEADER_BYTES + metadata_bytes + tensors.once(_directory_bytes), alignment) + data
+
+
+def _directory_bytes(tensors: PlannedTensors) -> int:
+    return sum(tensor_info_bytes(t.gguf_name, len(t.shape)) for t in tensors)

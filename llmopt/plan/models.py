@@ -15,7 +15,7 @@ from pathlib import Path
 
 from llmopt.errors import InputError, OptionError
 from llmopt.model.arch import ArchSpec
-from llmopt.plan.arch_tensors import ROPE, PlannedTensor, active_parameter_count, arch_tensors, num_experts, parameter_count
+from llmopt.plan.arch_tensors import ROPE, PlannedTensor, PlannedTensors, active_parameter_count, arch_tensors, num_experts, parameter_count
 from llmopt.plan.gguf_file import DEFAULT_ALIGNMENT, estimated_metadata_bytes, measured_metadata_bytes, tensor_directory
 from llmopt.plan.presets import PRESETS, Preset, find_preset, preset_names
 
@@ -24,7 +24,7 @@ from llmopt.plan.presets import PRESETS, Preset, find_preset, preset_names
 class PlanModel:
     name: str
     arch: ArchSpec
-    tensors: list[PlannedTensor]
+    tensors: PlannedTensors
     origin: str  # where the architecture came from, for the report
     metadata_bytes: int  # GGUF key/value bytes
     metadata_exact: bool
@@ -142,7 +142,7 @@ def _from_gguf(path: Path) -> PlanModel:
     with open_model(path) as source:
         arch = source.arch
     directory = tensor_directory(path)
-    tensors = [t for t in arch_tensors(arch) if t.gguf_name in directory]
+    tensors = PlannedTensors(t for t in arch_tensors(arch) if t.gguf_name in directory)
     known = {t.gguf_name for t in tensors}
     tensors += [PlannedTensor(None, name, shape, ROPE) for name, (_, shape) in directory.items() if name not in known]
     metadata, alignment = measured_metadata_bytes(path)

@@ -25,7 +25,7 @@ from llmopt.plan.models import PlanModel, all_presets
 from llmopt.plan.overhead import Overhead, runtime_overhead
 from llmopt.plan.quality import GOOD, Quality, class_index, quality
 from llmopt.plan.roofline import Device, decode_bytes_per_step, decode_tokens_per_s, prefill_flops, prefill_seconds
-from llmopt.plan.weights import WeightFormat, WeightSize, awq_format, gguf_format, gptq_format, weight_size
+from llmopt.plan.weights import WeightFormat, WeightSize, awq_format, gguf_format, gguf_tensor_types, gptq_format, weight_size
 
 # AWQ's maintained kernels (AutoAWQ GEMM/GEMV, vLLM) are 4-bit only, so AWQ-8 is not offered.
 CANDIDATES: tuple[WeightFormat, ...] = (
@@ -129,7 +129,7 @@ def make_row(model: PlanModel, size: WeightSize, workload: Workload, budget: Bud
         prefill = prefill_seconds(flops, device, int8)
     file_bytes = None
     if size.format.kind == "gguf":
-        file_bytes = gguf_file_bytes(model.tensors, size.tensor_types, model.metadata_bytes, model.alignment)
+        file_bytes = gguf_file_bytes(model.tensors, size.type_counts, model.metadata_bytes, model.alignment)
     return Row(
         model=model.name, format=size.format.name, kind=size.format.kind, tp=tp, parameters=size.parameters,
         bits_per_weight=size.bits_per_weight, weights_bytes=size.total_bytes, file_bytes=file_bytes,
@@ -236,10 +236,11 @@ def automatic_gguf(model: PlanModel, workload: Workload, budget: Budget) -> dict
     overhead = runtime_overhead(model.arch, workload.context, workload.batch, tp=tp)
     room = (int(budget.memory_bytes * (1 - HEADROOM_FRACTION)) - kv - overhead.total) * tp  # whole-model weights
     f16 = weight_size(model.arch, model.tensors, gguf_format("F16"))
-    header = gguf_file_bytes(model.tensors, f16.tensor_types, model.metadata_bytes, model.alignment) - sum(
-        aligned(tensor_nbytes(f16.tensor_types[t.gguf_name], t.shape), model.alignment) for t in model.tensors)
-    least = sum(aligned(tensor_nbytes(f16.tensor_types[t.gguf_name], t.shape), model.alignment)
-                if f16.tensor_types[t.gguf_name] == "F32" else
+    f16_types = gguf_tensor_types(model.arch, model.tensors, "F16")
+    header = gguf_file_bytes(model.tensors, f16.type_counts, model.metadata_bytes, model.alignment) - sum(
+        aligned(tensor_nbytes(f16_types[t.gguf_name], t.shape), model.alignment) for t in model.tensors)
+    least = sum(aligned(tensor_nbytes(f16_types[t.gguf_name], t.shape), model.alignment)
+                if f16_types[t.gguf_name] == "F32" else
                 min(aligned(tensor_nbytes(c, t.shape), model.alignment) for c in candidate_types(t.shape))
                 for t in model.tensors)  # fmt: skip
     if room >= f16.total_bytes or room < least:

@@ -13,10 +13,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from llmopt.errors import InputError
-from llmopt.formats.gguf.mixes import plan_shapes
+from llmopt.formats.gguf.mixes import ShapeClasses, class_types, plan_shapes, shape_classes
 from llmopt.formats.gguf.types import tensor_nbytes
 from llmopt.model.arch import ArchSpec
-from llmopt.plan.arch_tensors import EXPERT, LINEAR, ROUTER, PlannedTensor, linear_count
+from llmopt.plan.arch_tensors import EXPERT, LINEAR, ROUTER, PlannedTensors, linear_count, parameter_count
 
 FP16 = 2
 
@@ -51,14 +51,14 @@ class WeightSize:
     expert_bytes: int  # the part held in MoE experts (read only partly per token)
     parameters: int
     types: dict[str, int] = field(default_factory=dict)  # storage type -> bytes (for display and checks)
-    tensor_types: dict[str, str] = field(default_factory=dict)  # GGUF only: gguf name -> GGML type
+    type_counts: Counter[tuple[str, tuple[int, ...]]] = field(default_factory=Counter)  # GGUF: (type, shape) -> tensors
 
     @property
     def bits_per_weight(self) -> float:
         return 8 * self.total_bytes / self.parameters if self.parameters else 0.0
 
 
-def weight_size(arch: ArchSpec, tensors: list[PlannedTensor], fmt: WeightFormat) -> WeightSize:
+def weight_size(arch: ArchSpec, tensors: PlannedTensors, fmt: WeightFormat) -> WeightSize:
     if fmt.kind == "gguf":
         return gguf_weight_size(arch, tensors, fmt)
     if fmt.kind in ("gptq", "awq"):
@@ -66,7 +66,7 @@ def weight_size(arch: ArchSpec, tensors: list[PlannedTensor], fmt: WeightFormat)
     raise InputError(f"unknown weight format kind {fmt.kind!r}")
 
 
-def gguf_tensor_types(arch: ArchSpec, tensors: list[PlannedTensor], mix: str) -> dict[str, str]:
+def gguf_tensor_types(arch: ArchSpec, tensors: PlannedTensors, mix: str) -> dict[str, str]:
     """GGUF name -> GGML type under `mix`, as llama-quantize assigns them."""
     types = plan_shapes({t.gguf_name: t.shape for t in tensors}, mix, arch)
     for t in tensors:
@@ -75,13 +75,25 @@ def gguf_tensor_types(arch: ArchSpec, tensors: list[PlannedTensor], mix: str) ->
     return types
 
 
-def gguf_weight_size(arch: ArchSpec, tensors: list[PlannedTensor], fmt: WeightFormat) -> WeightSize:
-    types = gguf_tensor_types(arch, tensors, fmt.mix or fmt.name)
-    size = WeightSize(fmt, 0, 0, _params(tensors), tensor_types=types)
-    # A model's layers repeat a few (type, shape) pairs: size each pair once.
-    for (type_name, shape, role), n in Counter((types[t.gguf_name], t.shape, t.role) for t in tensors).items():
+def gguf_weight_size(arch: ArchSpec, tensors: PlannedTensors, fmt: WeightFormat) -> WeightSize:
+    """Sized per llama.cpp tensor class (see `ShapeClasses`), which is what makes `recommend` fast;
+    `gguf_tensor_types` is the same plan tensor by tensor."""
+    classes, members = tensors.once(_gguf_classes)
+    types = class_types(classes, fmt.mix or fmt.name, arch)
+    size = WeightSize(fmt, 0, 0, parameter_count(tensors))
+    typed: Counter[tuple[str, str, tuple[int, ...]]] = Counter()
+    for (c, role, shape), n in members.items():
+        typed["F32" if role == ROUTER else types[c], role, shape] += n
+    for (type_name, role, shape), n in typed.items():
+        size.type_counts[type_name, shape] += n
         _add(size, role, type_name, n * tensor_nbytes(type_name, shape))
     return size
+
+
+def _gguf_classes(tensors: PlannedTensors) -> tuple[ShapeClasses, Counter[tuple[int, str, tuple[int, ...]]]]:
+    """The model's llama.cpp tensor classes, and how many tensors of each (class, role, shape) it has."""
+    classes = shape_classes(tuple(t.gguf_name for t in tensors), tuple(t.shape for t in tensors))
+    return classes, Counter((c, t.role, t.shape) for c, t in zip(classes.class_of, tensors))
 
 
 def gptq_linear_bytes(out_features: int, in_features: int, bits: int, group_size: int) -> dict[str, int]:
@@ -108,10 +120,10 @@ def awq_linear_bytes(out_features: int, in_features: int, bits: int, group_size:
     }
 
 
-def packed_weight_size(tensors: list[PlannedTensor], fmt: WeightFormat) -> WeightSize:
+def packed_weight_size(tensors: PlannedTensors, fmt: WeightFormat) -> WeightSize:
     assert fmt.bits is not None and fmt.group_size is not None
     linear_bytes = gptq_linear_bytes if fmt.kind == "gptq" else awq_linear_bytes
-    size = WeightSize(fmt, 0, 0, _params(tensors))
+    size = WeightSize(fmt, 0, 0, parameter_count(tensors))
     # GGUF-only tensors do not exist in HF checkpoints; the rest are sized once per (role, shape).
     for (role, shape), n in Counter((t.role, t.shape) for t in tensors if t.hf_name is not None).items():
         if role in (LINEAR, EXPERT):
@@ -124,10 +136,6 @@ def packed_weight_size(tensors: list[PlannedTensor], fmt: WeightFormat) -> Weigh
 
 def _groups(in_features: int, group_size: int) -> int:
     return 1 if group_size in (-1, 0) else math.ceil(in_features / group_size)
-
-
-def _params(tensors: list[PlannedTensor]) -> int:
-    return sum(t.numel for t in tensors if t.hf_name is not None)
 
 
 def _add(size: WeightSize, role: str, type_name: str, nbytes: int) -> None:

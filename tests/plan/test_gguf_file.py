@@ -1,6 +1,7 @@
 """Whole-file GGUF sizes: header, metadata, tensor directory and padded data, to the byte."""
 
 import struct
+from collections import Counter
 
 import pytest
 
@@ -22,7 +23,8 @@ def test_reproduces_the_real_smollm2_file_from_its_own_types(smollm2_gguf):
     assert tensor_directory(smollm2_gguf) == {name: (types[name], shapes[name]) for name in types}
     data_bytes = sum(int(t.n_bytes) for t in reader.tensors)
     assert sum(tensor_nbytes(types[t.gguf_name], t.shape) for t in model.tensors) == data_bytes
-    assert gguf_file_bytes(model.tensors, types, model.metadata_bytes, model.alignment) == smollm2_gguf.stat().st_size
+    type_counts = Counter((types[t.gguf_name], t.shape) for t in model.tensors)
+    assert gguf_file_bytes(model.tensors, type_counts, model.metadata_bytes, model.alignment) == smollm2_gguf.stat().st_size
     # the fast key/value walk agrees with gguf-py's full parse (the file already has both u32 keys)
     parsed = sum(sum(int(p.nbytes) for p in f.parts) for k, f in reader.fields.items() if not k.startswith("GGUF."))
     assert model.metadata_bytes == parsed

@@ -1,13 +1,16 @@
 """Weight bytes per format: GGUF from the shared mix rules, GPTQ/AWQ from their packed layouts."""
 
 import math
+from collections import Counter
 
+import pytest
 import torch
 
+from llmopt.formats.gguf.mixes import plan_shapes
 from llmopt.formats.gguf.types import tensor_nbytes
-from llmopt.plan.arch_tensors import arch_tensors
+from llmopt.plan.arch_tensors import PlannedTensors, arch_tensors
 from llmopt.plan.presets import get_preset
-from llmopt.plan.weights import awq_format, gguf_format, gptq_format, weight_size
+from llmopt.plan.weights import awq_format, gguf_format, gguf_tensor_types, gptq_format, weight_size
 
 
 def nbytes(*tensors: torch.Tensor) -> int:
@@ -17,7 +20,7 @@ def nbytes(*tensors: torch.Tensor) -> int:
 def test_gptq_linear_holds_qweight_qzeros_scales_and_g_idx():
     # The GPTQ checkpoint layout (REFERENCE 6.3), built as real tensors for one 4096x11008 down_proj.
     arch = get_preset("llama-2-7b").arch
-    tensors = [t for t in arch_tensors(arch) if t.hf_name == "model.layers.0.mlp.down_proj.weight"]
+    tensors = PlannedTensors(t for t in arch_tensors(arch) if t.hf_name == "model.layers.0.mlp.down_proj.weight")
     out_f, in_f = tensors[0].shape
     for bits in (4, 8):
         groups = math.ceil(in_f / 128)
@@ -29,7 +32,7 @@ def test_gptq_linear_holds_qweight_qzeros_scales_and_g_idx():
 
 def test_awq_linear_holds_qweight_qzeros_scales():
     arch = get_preset("llama-2-7b").arch
-    tensors = [t for t in arch_tensors(arch) if t.hf_name == "model.layers.0.self_attn.k_proj.weight"]
+    tensors = PlannedTensors(t for t in arch_tensors(arch) if t.hf_name == "model.layers.0.self_attn.k_proj.weight")
     out_f, in_f = tensors[0].shape
     layout = (torch.empty(in_f, out_f // 8, dtype=torch.int32), torch.empty(in_f // 128, out_f // 8, dtype=torch.int32),
               torch.empty(in_f // 128, out_f, dtype=torch.float16))
@@ -49,8 +52,24 @@ def test_gguf_bytes_are_the_sum_of_each_tensors_planned_type():
     arch = get_preset("smollm2-135m").arch
     tensors = arch_tensors(arch)
     size = weight_size(arch, tensors, gguf_format("Q4_K_M"))
-    assert size.total_bytes == sum(tensor_nbytes(size.tensor_types[t.gguf_name], t.shape) for t in tensors)
-    assert size.tensor_types["blk.0.attn_norm.weight"] == "F32"
+    types = gguf_tensor_types(arch, tensors, "Q4_K_M")
+    assert size.total_bytes == sum(tensor_nbytes(types[t.gguf_name], t.shape) for t in tensors)
+    assert types["blk.0.attn_norm.weight"] == "F32"
+
+
+@pytest.mark.parametrize("preset", ["llama-3.1-405b", "mixtral-8x7b", "qwen2.5-0.5b"])
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q3_K_M", "Q2_K", "IQ4_XS", "F16"])
+def test_sizing_by_tensor_class_equals_sizing_tensor_by_tensor(preset, mix):
+    # recommend sizes llama.cpp's tensor classes once each; the rules applied tensor by tensor in
+    # loader order (the path an override takes: one that matches nothing) must give the same bytes
+    arch = get_preset(preset).arch
+    tensors = arch_tensors(arch)
+    size = weight_size(arch, tensors, gguf_format(mix))
+    types = plan_shapes({t.gguf_name: t.shape for t in tensors}, mix, arch, overrides=[("^never$", "F16")])
+    types.update({t.gguf_name: "F32" for t in tensors if t.role == "router"})
+    assert types == gguf_tensor_types(arch, tensors, mix)
+    assert size.type_counts == Counter((types[t.gguf_name], t.shape) for t in tensors)
+    assert size.total_bytes == sum(tensor_nbytes(types[t.gguf_name], t.shape) for t in tensors)
 
 
 def test_q4_k_m_on_llama31_8b_is_4_89_bits_per_weight():
@@ -62,5 +81,5 @@ def test_q4_k_m_on_llama31_8b_is_4_89_bits_per_weight():
 def test_mixtral_router_stays_f32_and_experts_are_counted():
     arch = get_preset("mixtral-8x7b").arch
     size = weight_size(arch, arch_tensors(arch), gguf_format("Q4_K_M"))
-    assert size.tensor_types["blk.0.ffn_gate_inp.weight"] == "F32"
+    assert gguf_tensor_types(arch, arch_tensors(arch), "Q4_K_M")["blk.0.ffn_gate_inp.weight"] == "F32"
     assert 0.9 * size.total_bytes < size.expert_bytes < size.total_bytes

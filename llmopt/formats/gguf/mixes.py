@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from llmopt.errors import InputError, OptionError
 from llmopt.formats.gguf.types import block_geometry, is_quantized, writable_type
@@ -299,41 +300,69 @@ def plan_shapes(
     output_tensor_type: str | None = None,
 ) -> dict[str, str]:
     """`tensor_type` for every (gguf name -> HF shape), with llama.cpp's running counters."""
+    classes = shape_classes(tuple(shapes), tuple(tuple(s) for s in shapes.values()))
+    if not overrides:
+        types = class_types(classes, mix, arch, has_imatrix=has_imatrix, output_tensor_type=output_tensor_type)
+        return {name: types[c] for name, c in zip(shapes, classes.class_of)}
+    # An overridden tensor skips the rules and does not advance its counter: plan in loader order.
     mix = check_mix(mix)
     compiled = _compile_overrides(overrides)
     ott = writable_type(output_tensor_type, "output_tensor_type") if output_tensor_type is not None else None
-    tied = "output.weight" not in shapes
     quantized_default = is_quantized(DEFAULT_TYPE[mix])
     counters = dict.fromkeys(COUNTED_KINDS, 0)
-    # Without overrides a tensor's type depends on its name only through its category and counter,
-    # so tensors that share (category, shape, counter) share a type: `recommend` plans ~10^5 tensors.
-    same: dict[tuple, str] | None = {} if not compiled else None
     plan: dict[str, str] = {}
-    for name, shape, cat, allowed, kind in _skeleton(tuple(shapes), tuple(tuple(s) for s in shapes.values())):
+    for name, shape, cat, allowed, kind in classes.rows:
         counter = counters.get(kind)
-        if same is None:
-            plan[name] = _choose(name, shape, cat, allowed, mix, arch, compiled, has_imatrix, ott, tied, counter)
-        else:
-            key = (cat, allowed, shape, counter)
-            if key not in same:
-                same[key] = _choose(name, shape, cat, allowed, mix, arch, compiled, has_imatrix, ott, tied, counter)
-            plan[name] = same[key]
+        plan[name] = _choose(name, shape, cat, allowed, mix, arch, compiled, has_imatrix, ott, classes.tied, counter)
         if counter is not None and allowed and quantized_default and not any(p.search(name) for p, _ in compiled):
             counters[kind] += 1
     return {name: plan[name] for name in shapes}
 
 
+@dataclass(frozen=True)
+class ShapeClasses:
+    """What llama.cpp's rules see of a model's tensors, worked out once per model.
+
+    Without overrides a tensor's type depends on its name only through its category and running
+    counter, so tensors that share (category, quantizable, shape, counter) share a type under every
+    mix: a 405B preset's ~1,100 tensors fall into a few hundred classes, and `recommend` sizes
+    each class once per candidate format instead of each tensor.
+    """
+
+    rows: tuple[tuple, ...]  # (name, shape, category, quantizable, counter kind) in loader order
+    members: tuple[tuple, ...]  # per class: (a member's name, shape, category, quantizable, counter)
+    class_of: tuple[int, ...]  # each tensor's class, in the order the shapes were given
+    tied: bool  # no output.weight: the token embedding is also the output
+
+
 @functools.lru_cache(maxsize=64)
-def _skeleton(names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple, ...]:
-    """(name, shape, category, quantizable, counter kind) in llama.cpp's loader order: the part of a
-    plan that no mix changes, remembered for the next mix of the same model."""
+def shape_classes(names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> ShapeClasses:
+    """The `ShapeClasses` of the tensors `names` with HF-orientation `shapes` (remembered per model)."""
     by_name = dict(zip(names, shapes))
-    rows = []
+    rows, counters, index, members, class_by_name = [], dict.fromkeys(COUNTED_KINDS, 0), {}, [], {}
     for name in llama_order(names):
         cat = category(name)
         kind = "attn_v" if cat in ("attn_v", "attn_qkv", "attn_kv_b") else cat
-        rows.append((name, by_name[name], cat, allows_quantization(name, by_name[name]), kind))
-    return tuple(rows)
+        shape, allowed = by_name[name], allows_quantization(name, by_name[name])
+        rows.append((name, shape, cat, allowed, kind))
+        counter = counters.get(kind)
+        if counter is not None and allowed:  # the counter only matters (and only runs) for quantized defaults
+            counters[kind] += 1
+        key = (cat, allowed, shape, counter)
+        if key not in index:
+            index[key] = len(members)
+            members.append((name, shape, cat, allowed, counter))
+        class_by_name[name] = index[key]
+    return ShapeClasses(tuple(rows), tuple(members), tuple(class_by_name[n] for n in names), "output.weight" not in by_name)
+
+
+def class_types(classes: ShapeClasses, mix: str, arch: ArchSpec, *, has_imatrix: bool = False,
+                output_tensor_type: str | None = None) -> list[str]:  # fmt: skip
+    """The GGML type of each class under `mix` (no overrides)."""
+    mix = check_mix(mix)
+    ott = writable_type(output_tensor_type, "output_tensor_type") if output_tensor_type is not None else None
+    return [_choose(name, shape, cat, allowed, mix, arch, [], has_imatrix, ott, classes.tied, counter)
+            for name, shape, cat, allowed, counter in classes.members]
 
 
 def gguf_shapes(source) -> dict[str, tuple[int, ...]]:  # noqa: ANN001 - ModelSource (import cycle-free)

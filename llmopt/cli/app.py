@@ -5,46 +5,73 @@ Exit codes: 0 success, 1 a quality gate or check failed, 2 bad input or usage, 3
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
 import traceback
+from collections.abc import Iterable
 from typing import Annotated, Optional
 
 import typer
 
 import llmopt
-from llmopt.cli import bench as bench_cmd
-from llmopt.cli import convert, inspect
-from llmopt.cli import imatrix as imatrix_cmd
-from llmopt.cli import eval as eval_cmd, generate
-from llmopt.cli import quantize
-from llmopt.cli import recommend
-from llmopt.cli import run as run_cmd
 from llmopt.cli.common import DeviceOpt, JsonOpt, Settings, VerboseOpt, err
 from llmopt.cli.flags import flag
 from rich.markup import escape
 
 from llmopt.errors import LlmoptError, OptionError
 
-app = typer.Typer(
-    name="llmopt",
-    help="Quantize, convert and validate large language models.",
-    no_args_is_help=True,
-    rich_markup_mode="rich",
-    pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
-app.command("inspect")(inspect.inspect_command)
-app.command("convert")(convert.convert_command)
-app.command("imatrix")(imatrix_cmd.imatrix_command)
-app.command("generate")(generate.generate_command)
-app.command("eval")(eval_cmd.eval_command)
-app.command("quantize")(quantize.quantize_command)
-app.command("recommend")(recommend.recommend_command)
-app.command("bench")(bench_cmd.bench_command)
-app.command("run")(run_cmd.run_command)
-app.add_typer(run_cmd.manifest_app, name="manifest")
+# The command table: each command's module and function (or sub-app), in --help order. A command
+# line imports only the command it names (every command for --help), so `llmopt recommend` does not
+# pay for importing `bench` or `quantize`.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "inspect": ("llmopt.cli.inspect", "inspect_command"),
+    "convert": ("llmopt.cli.convert", "convert_command"),
+    "imatrix": ("llmopt.cli.imatrix", "imatrix_command"),
+    "generate": ("llmopt.cli.generate", "generate_command"),
+    "eval": ("llmopt.cli.eval", "eval_command"),
+    "quantize": ("llmopt.cli.quantize", "quantize_command"),
+    "recommend": ("llmopt.cli.recommend", "recommend_command"),
+    "bench": ("llmopt.cli.bench", "bench_command"),
+    "run": ("llmopt.cli.run", "run_command"),
+    "manifest": ("llmopt.cli.run", "manifest_app"),
+}
+_ROOT_OPTIONS_WITH_VALUE = ("--device",)
+
+
+def build_app(names: Iterable[str] = COMMANDS) -> typer.Typer:
+    """The `llmopt` group with the commands `names` (all of them by default)."""
+    app = typer.Typer(
+        name="llmopt",
+        help="Quantize, convert and validate large language models.",
+        no_args_is_help=True,
+        rich_markup_mode="rich",
+        pretty_exceptions_enable=False,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+    app.callback()(root)
+    for name in names:
+        module, attr = COMMANDS[name]
+        command = getattr(importlib.import_module(module), attr)
+        if isinstance(command, typer.Typer):
+            app.add_typer(command, name=name)
+        else:
+            app.command(name)(command)
+    return app
+
+
+def command_named(argv: list[str]) -> str | None:
+    """The command a command line names (the first word that is not a global option or its value)."""
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in _ROOT_OPTIONS_WITH_VALUE:
+            skip = True
+        elif not arg.startswith("-"):
+            return arg
+    return None
 
 
 def _version(value: bool) -> None:
@@ -53,7 +80,6 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
 def root(
     ctx: typer.Context,
     json_out: JsonOpt = False,
@@ -94,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     verbose = any(a in ("-v", "-vv", "--verbose") for a in argv)
     try:
+        name = command_named(argv)
+        app = build_app([name] if name in COMMANDS else COMMANDS)
         rv = app(args=argv, prog_name="llmopt", standalone_mode=False)
     except typer.Abort:
         err.print("aborted")

@@ -13,7 +13,7 @@ import torch
 from llmopt.api import convert_to_gguf, convert_to_hf
 from llmopt.model import open_model
 from llmopt.model.decoder import Decoder
-from tests.formats.gguf.llama_cpp_helpers import (assert_same_tensors, assert_same_top1, gguf_types, llama_cpp_logits,
+from tests.formats.gguf.llama_cpp_helpers import (assert_same_tensors, assert_type_map_equals_llama_quantize, assert_same_top1, llama_cpp_logits,
                                                   llama_cpp_model, llama_dry_run_types, write_sparse_f16_gguf)
 from tests.model.test_gemma3 import WINDOW, ids, make_tiny_gemma3, reference
 
@@ -77,11 +77,7 @@ def test_greedy_generation_equals_llama_cpps(tmp_path) -> None:
 @pytest.mark.parametrize("mix", ["Q4_K_M", "Q2_K"])
 def test_written_type_map_equals_llama_quantize(tmp_path, mix: str) -> None:
     """The types in our Q4_K_M / Q2_K file equal those llama.cpp's quantizer plans for our F16 file."""
-    path = make_tiny_gemma3(tmp_path / "g")
-    f16, ours = tmp_path / "f16.gguf", tmp_path / f"{mix}.gguf"
-    convert_to_gguf(path, f16, "F16")
-    convert_to_gguf(path, ours, mix)
-    assert gguf_types(ours) == llama_dry_run_types(f16, mix)
+    assert_type_map_equals_llama_quantize(make_tiny_gemma3(tmp_path / "g"), tmp_path, mix)
 
 
 def test_gguf_to_hf_to_gguf_keeps_every_tensor(tmp_path) -> None:

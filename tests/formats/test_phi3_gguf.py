@@ -17,7 +17,7 @@ from llmopt.model.arch import ArchSpec
 from llmopt.model.decoder import Decoder
 from llmopt.model.families import PHI3
 from llmopt.model.rope import attention_factor
-from tests.formats.gguf.llama_cpp_helpers import (assert_same_tensors, assert_same_top1, gguf_types, llama_cpp_logits,
+from tests.formats.gguf.llama_cpp_helpers import (assert_same_tensors, assert_type_map_equals_llama_quantize, assert_same_top1, gguf_types, llama_cpp_logits,
                                                   llama_dry_run_types, write_sparse_f16_gguf)
 from tests.factories import write_reference_gguf
 from tests.model.test_phi3 import HEAD_DIM, ids, make_tiny_phi3
@@ -45,11 +45,7 @@ def test_our_gguf_runs_in_llama_cpp_with_our_top1(tmp_path, longrope: bool) -> N
 @pytest.mark.parametrize("mix", ["Q4_K_M", "Q2_K"])
 def test_written_type_map_equals_llama_quantize(tmp_path, mix: str) -> None:
     """The types in our Q4_K_M / Q2_K file equal those llama.cpp's quantizer plans for our F16 file."""
-    path = make_tiny_phi3(tmp_path / "phi3")
-    f16, ours = tmp_path / "f16.gguf", tmp_path / f"{mix}.gguf"
-    convert_to_gguf(path, f16, "F16")
-    convert_to_gguf(path, ours, mix)
-    assert gguf_types(ours) == llama_dry_run_types(f16, mix)
+    assert_type_map_equals_llama_quantize(make_tiny_phi3(tmp_path / "phi3"), tmp_path, mix)
 
 
 @pytest.mark.parametrize("mix", ["Q4_K_M", "Q2_K", "Q3_K_M", "Q5_K_M", "Q4_K_S"])

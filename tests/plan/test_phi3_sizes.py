@@ -5,30 +5,16 @@ from __future__ import annotations
 
 import math
 
-from llmopt.api import convert_to_gguf, recommend
+from llmopt.api import recommend
 from llmopt.plan.models import from_preset
 from llmopt.plan.presets import get_preset
-from tests.formats.gguf.llama_cpp_helpers import llama_quantize
+from tests.plan.family_sizes import assert_recommend_gives_llama_cpp_q4_k_m_size
 from tests.model.test_phi3 import make_tiny_phi3
 
 
-def _q4_k_m(model: str):  # noqa: ANN202 - a recommend Row
-    return next(r for r in recommend(mem=8, model=model)["rows"] if r.format == "Q4_K_M")
-
-
 def test_recommend_gives_the_size_llama_cpp_writes_for_q4_k_m(tmp_path) -> None:
-    """From our F16 GGUF (metadata measured) the whole file to the byte; from the HF directory
-    (config only: metadata estimated from the vocabulary) the same tensor bytes."""
-    hf = make_tiny_phi3(tmp_path / "phi3", longrope=True)
-    f16 = tmp_path / "f16.gguf"
-    convert_to_gguf(hf, f16, "F16")
-    written = llama_quantize(f16, tmp_path / "q4_k_m.gguf", "Q4_K_M", nthread=2).stat().st_size
-    from_gguf, from_hf = _q4_k_m(str(f16)), _q4_k_m(str(hf))
-    print(f"phi3 Q4_K_M: llama.cpp {written:,} B, recommend (GGUF) {from_gguf.file_bytes:,} B, "
-          f"recommend (HF dir) {from_hf.file_bytes:,} B")
-    assert from_gguf.file_bytes == written
-    assert from_hf.weights_bytes == from_gguf.weights_bytes
-    assert abs(from_hf.file_bytes - written) / written < 0.01
+    """The Q4_K_M file size recommend predicts is the one llama.cpp writes."""
+    assert_recommend_gives_llama_cpp_q4_k_m_size(make_tiny_phi3(tmp_path / "phi3", longrope=True), tmp_path, "phi3")
 
 
 def test_phi3_mini_preset_counts_fused_tensors_once() -> None:

@@ -210,3 +210,13 @@ def assert_same_tensors(first: Path, second: Path, ordered: bool = True) -> None
     for t in a.tensors:
         other = theirs[t.name]
         assert t.tensor_type == other.tensor_type and np.array_equal(np.asarray(t.data), np.asarray(other.data)), t.name
+
+
+def assert_type_map_equals_llama_quantize(hf_dir: Path, tmp_path: Path, mix: str) -> None:
+    """The types in our `mix` file of `hf_dir` equal those llama.cpp's quantizer plans for our F16 file."""
+    from llmopt.api import convert_to_gguf
+
+    f16, ours = tmp_path / "f16.gguf", tmp_path / f"{mix}.gguf"
+    convert_to_gguf(hf_dir, f16, "F16")
+    convert_to_gguf(hf_dir, ours, mix)
+    assert gguf_types(ours) == llama_dry_run_types(f16, mix)

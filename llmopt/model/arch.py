@@ -124,7 +124,7 @@ class ArchSpec:
         arch = meta.get("general.architecture")
         if not isinstance(arch, str):
             raise InputError("GGUF file has no general.architecture")
-        family = family_for_gguf(arch)
+        family = family_for_gguf(arch, experts=bool(meta.get(f"{arch}.expert_count")))
 
         def key(name: str, default: Any = None) -> Any:
             value = meta.get(f"{arch}.{name}", default)

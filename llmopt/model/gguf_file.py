@@ -98,8 +98,8 @@ class GGUFSource(ModelSource):
     def hf_rows(self, name: str, t: torch.Tensor, rows: slice | None) -> torch.Tensor:
         """Rows of the stored tensor `t` (values, or block bytes per row) as `name`'s rows in HF order:
         a fused tensor's part sliced (Phi-3's attn_qkv), llama.cpp's Q/K permutation undone."""
-        if rows is not None:
-            t = t[rows]
+        if rows is not None:  # an expert stack [experts, rows, ...]: rows counted over all experts
+            t = (t.flatten(0, 1) if t.dim() == 3 else t)[rows]
         heads = self.arch.family.qk_heads(name, self.arch.num_heads, self.arch.num_kv_heads)
         return t if heads is None else unpermute_from_gguf(t, heads)
 

@@ -63,7 +63,7 @@ class ModelSource(ABC):
         """List each of the family's fused tensors as the linears it holds (rows of the stored tensor),
         so everything above the readers sees the Llama block. Readers call it after `check_tensors`."""
         family = self.arch.family
-        if not family.fused:
+        if not family.fused and family.experts is None:
             return
         tensors: dict[str, TensorInfo] = {}
         self.fused_rows, self.fused_tensors = {}, {}
@@ -73,10 +73,11 @@ class ModelSource(ABC):
                 tensors[name] = info
                 continue
             self.fused_tensors[name] = info
-            total = info.shape[0]
+            total = info.shape[0] * (info.shape[1] if len(info.shape) == 3 else 1)  # an expert stack: rows of all experts
+            row = info.shape[1:] if len(info.shape) < 3 else info.shape[2:]
             for part, lo, hi in parts:  # bytes pro rata, summing to the stored tensor's
                 nbytes = info.nbytes * hi // total - info.nbytes * lo // total
-                tensors[part] = TensorInfo(part, info.stored_name, (hi - lo, *info.shape[1:]), info.dtype, nbytes)
+                tensors[part] = TensorInfo(part, info.stored_name, (hi - lo, *row), info.dtype, nbytes)
                 self.fused_rows[part] = (name, lo, hi)
         self.tensors = tensors
 
@@ -94,13 +95,15 @@ class ModelSource(ABC):
         return (name, None) if entry is None else (entry[0], slice(entry[1], entry[2]))
 
     def load_stored(self, name: str, dtype: torch.dtype | str | None = "float32") -> torch.Tensor:
-        """A tensor as this family's files store it: a fused linear is its parts stacked by rows."""
-        parts = self.arch.family.part_names(name)
+        """A tensor as this family's files store it: a fused linear is its parts stacked by rows, an
+        expert stack (GGUF's) the experts' tensors along a new first axis."""
+        family = self.arch.family
+        parts = family.part_names(name, self.arch)
         if parts is None or name in self.tensors:
             return self.load(name, dtype)
         import torch
 
-        return torch.cat([self.load(part, dtype) for part in parts])
+        return (torch.stack if family.is_stack(name) else torch.cat)([self.load(part, dtype) for part in parts])
 
     @abstractmethod
     def load(self, name: str, dtype: torch.dtype | str | None = "float32") -> torch.Tensor:

@@ -60,11 +60,19 @@ def check_tensors(arch: Any, shapes: Mapping[str, Sequence[int]], where: str) ->
         expected += [(f"model.layers.{i}.{suffix}" if not suffix.startswith("model.") else suffix, shape)
                      for suffix, shape in _block_shapes(arch, i)]  # fmt: skip
     for name, shape in expected:
-        if name in shapes:
-            if tuple(shapes[name]) != tuple(shape):
-                raise InputError(f"{where}: {name} is {list(shapes[name])}; the config implies {list(shape)}")
-        elif name.removesuffix(".weight") + ".qweight" not in shapes and "*" not in name:
-            raise InputError(f"{where}: tensor {name} is missing")
+        if "*" in name and name not in shapes:  # an expert stack (as GGUF holds it), held one tensor per expert
+            for e in range(shape[0]):
+                _check_one(shapes, name.replace(".*.", f".{e}."), shape[1:], where)
+        else:
+            _check_one(shapes, name, shape, where)
+
+
+def _check_one(shapes: Mapping[str, Sequence[int]], name: str, shape: Sequence[int], where: str) -> None:
+    if name in shapes:
+        if tuple(shapes[name]) != tuple(shape):
+            raise InputError(f"{where}: {name} is {list(shapes[name])}; the config implies {list(shape)}")
+    elif name.removesuffix(".weight") + ".qweight" not in shapes:
+        raise InputError(f"{where}: tensor {name} is missing")
 
 
 def _block_shapes(arch: Any, layer: int) -> list[tuple[str, tuple[int, ...]]]:

@@ -14,6 +14,7 @@ from llmopt.model.families import Family
 from llmopt.model.families.gemma3 import GEMMA3
 from llmopt.model.families.llama import LLAMA
 from llmopt.model.families.mistral import MISTRAL
+from llmopt.model.families.mixtral import MIXTRAL
 from llmopt.model.families.phi3 import PHI3
 from llmopt.model.families.qwen2 import QWEN2
 
@@ -103,7 +104,7 @@ _PRESETS = (
     # mistralai/Mixtral-8x7B-v0.1 config.json (num_local_experts 8, num_experts_per_tok 2);
     # llama.cpp stores it as the "llama" architecture with merged expert tensors.
     Preset("mixtral-8x7b", "mistralai/Mixtral-8x7B-v0.1", _arch(
-        MISTRAL, "MixtralForCausalLM", hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=32000,
+        MIXTRAL, "MixtralForCausalLM", hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=32000,
         context=32768, rope_theta=1000000.0, eps=1e-5, experts=8, experts_per_token=2)),
     # google/gemma-3-1b-it config.json (head_dim 256 of its own; 512-token window on 5 of every 6 layers)
     Preset("gemma-3-1b", "google/gemma-3-1b-it", _gemma3(

@@ -43,7 +43,7 @@ def raw_rows(source: GGUFSource, name: str) -> tuple[GGMLQuantizationType, torch
     """The stored type and block bytes [rows, bytes per row] of 2-D tensor `name`, copied out of the
     file's map, rows in HF order (a fused tensor's part sliced, llama.cpp's Q/K permutation undone)."""
     raw, shape, rows = source.stored_tensor(name)
-    data = torch.from_numpy(np.array(raw.data).view(np.uint8).reshape(shape[0], -1))
+    data = torch.from_numpy(np.array(raw.data).view(np.uint8).reshape(*shape[:-1], -1))  # an expert stack: [experts, rows, bytes]
     return raw.tensor_type, source.hf_rows(name, data, rows).contiguous()
 
 

@@ -5,11 +5,12 @@ from llmopt.model.families.base import Family
 from llmopt.model.families.gemma3 import GEMMA3
 from llmopt.model.families.llama import LLAMA
 from llmopt.model.families.mistral import MISTRAL
+from llmopt.model.families.mixtral import MIXTRAL
 from llmopt.model.families.phi3 import PHI3
 from llmopt.model.families.qwen2 import QWEN2
 from llmopt.model.families.qwen3 import QWEN3
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA3)
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA3, MIXTRAL)
 
 
 def supported_architectures() -> str:
@@ -30,13 +31,14 @@ def family_for_hf(architectures: list[str] | None, model_type: str | None) -> Fa
     raise InputError(f"unsupported architecture {named}; supported: {supported_architectures()}")
 
 
-def family_for_gguf(gguf_arch: str) -> Family:
-    """The family of a GGUF file's `general.architecture` (Mistral files say "llama")."""
+def family_for_gguf(gguf_arch: str, experts: bool = False) -> Family:
+    """The family of a GGUF file's `general.architecture` (Mistral files say "llama"; Mixtral's too,
+    with an `expert_count`)."""
     for family in FAMILIES:
-        if family.gguf_arch == gguf_arch and family.reads_gguf:
+        if family.gguf_arch == gguf_arch and family.reads_gguf and (family.experts is not None) == experts:
             return family
     gguf_names = sorted({f.gguf_arch for f in FAMILIES})
     raise InputError(f"unsupported GGUF architecture {gguf_arch!r}; supported: {', '.join(gguf_names)}")
 
 
-__all__ = ["FAMILIES", "GEMMA3", "LLAMA", "MISTRAL", "PHI3", "QWEN2", "QWEN3", "Family", "family_for_gguf", "family_for_hf", "supported_architectures"]
+__all__ = ["FAMILIES", "GEMMA3", "LLAMA", "MISTRAL", "MIXTRAL", "PHI3", "QWEN2", "QWEN3", "Family", "family_for_gguf", "family_for_hf", "supported_architectures"]

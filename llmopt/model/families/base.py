@@ -46,6 +46,34 @@ class Fused:
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A block whose MLP is a router over E experts, each a gated MLP, of which each token uses top k.
+
+    HF files store each expert's linears separately ("block_sparse_moe.experts.3.w1.weight"), which is
+    how every path above the readers sees them (one linear per expert: the decoder, the stage table,
+    GPTQ per expert); GGUF files stack each kind over the experts into one [E, rows, cols] tensor
+    ("ffn_gate_exps"), which the GGUF reader splits and the GGUF writer stacks again. Files name the
+    stack with "*" in place of the expert number ("block_sparse_moe.experts.*.w1.weight")."""
+
+    router: str  # block-relative router module, e.g. "block_sparse_moe.gate" (GGUF "ffn_gate_inp")
+    module: str  # block-relative module holding the experts, e.g. "block_sparse_moe.experts"
+    gate: str  # expert-relative names of the gated MLP's linears (Mixtral: w1, w3, w2)
+    up: str
+    down: str
+    renormalize: bool = True  # the top-k routing weights are divided by their sum (Mixtral)
+
+    def linears(self) -> tuple[tuple[str, str], ...]:
+        """(expert-relative linear, llama.cpp's name of its stack) in forward order."""
+        return ((self.gate, "ffn_gate_exps"), (self.up, "ffn_up_exps"), (self.down, "ffn_down_exps"))
+
+    def stacks(self) -> dict[str, str]:
+        """Block-relative HF suffix -> GGUF suffix of the router and each stacked kind."""
+        out = {f"{self.router}.weight": "ffn_gate_inp.weight"}
+        out.update({f"{self.module}.*.{name}.weight": f"{gguf}.weight" for name, gguf in self.linears()})
+        return out
+
+
+@dataclass(frozen=True)
 class Stage:
     """Linears of a block that read the same input, and the module that produces that input."""
 
@@ -79,11 +107,6 @@ LLAMA_BLOCK_TENSORS: dict[str, str] = {
 }
 QK_NORM_TENSORS: dict[str, str] = {"self_attn.q_norm.weight": "attn_q_norm.weight",
                                    "self_attn.k_norm.weight": "attn_k_norm.weight"}
-# Mixtral's router and experts, as llama.cpp's converter stacks them (planned, not read or run yet).
-MOE_TENSORS: dict[str, str] = {"block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
-                               "block_sparse_moe.experts.*.w1.weight": "ffn_gate_exps.weight",
-                               "block_sparse_moe.experts.*.w3.weight": "ffn_up_exps.weight",
-                               "block_sparse_moe.experts.*.w2.weight": "ffn_down_exps.weight"}
 GLOBAL_TENSORS: dict[str, str] = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -153,6 +176,7 @@ class Family:
     # per layer, how many past tokens its KV cache must keep (None: the whole context). llama.cpp
     # keeps Mistral's whole cache ("llama" has no window), so only Gemma 3 names its sliding layers'
     kv_windows: Callable[[ArchSpec], list[int | None]] = field(default=_whole_context, compare=False)
+    experts: Experts | None = None  # a mixture-of-experts MLP (Mixtral), its count in arch.extra["num_experts"]
 
     # ------------------------------------------------------------------------------ names
     @property
@@ -160,6 +184,10 @@ class Family:
         """HF suffix -> GGUF suffix of every tensor a block of this family can hold in its files
         (a fused linear under its stored name; its parts are not stored)."""
         tensors = {**LLAMA_BLOCK_TENSORS, **(QK_NORM_TENSORS if self.qk_norm else {}), **dict(self.extra_norms)}
+        if self.experts is not None:  # the MLP's linears are the experts', stored stacked in GGUF
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                tensors.pop(f"mlp.{name}.weight")
+            tensors.update(self.experts.stacks())
         for f in self.fused:
             for part in f.parts:
                 tensors.pop(f"{part}.weight")
@@ -177,8 +205,24 @@ class Family:
                     return f"model.layers.{m.group(1)}.{f.name}.{leaf}", f
         return None
 
-    def part_names(self, hf_name: str) -> list[str] | None:
-        """The parts' HF names of a stored fused tensor ("...qkv_proj.weight"), in row order, else None."""
+    def expert_stack(self, hf_name: str) -> str | None:
+        """The stack's HF name ("...experts.*.w1.weight") of one expert's tensor ("...experts.3.w1.weight"), else None."""
+        m = _HF_BLOCK.match(hf_name)
+        if self.experts is None or not m or not m.group(2).startswith(self.experts.module + "."):
+            return None
+        rest = m.group(2)[len(self.experts.module) + 1:].split(".", 1)
+        if len(rest) != 2 or not rest[0].isdigit():
+            return None
+        return f"model.layers.{m.group(1)}.{self.experts.module}.*.{rest[1]}"
+
+    def is_stack(self, hf_name: str) -> bool:
+        return self.experts is not None and f".{self.experts.module}.*." in hf_name
+
+    def part_names(self, hf_name: str, arch: ArchSpec | None = None) -> list[str] | None:
+        """The parts' HF names of a stored fused tensor ("...qkv_proj.weight"), in row order, or of an
+        expert stack (given `arch`, which counts the experts), in expert order, else None."""
+        if self.is_stack(hf_name):
+            return None if arch is None else [hf_name.replace(".*.", f".{e}.") for e in range(num_experts(arch))]
         m = _HF_BLOCK.match(hf_name)
         if m:
             module, _, leaf = m.group(2).rpartition(".")
@@ -189,23 +233,28 @@ class Family:
 
     def split(self, arch: ArchSpec, hf_name: str) -> list[tuple[str, int, int]] | None:
         """The parts of a stored fused tensor as (part's HF name, first row, end row), else None."""
-        names = self.part_names(hf_name)
+        names = self.part_names(hf_name, arch)
         if names is None:
             return None
         rows, out, start = linear_rows(arch), [], 0
         for name in names:
-            n = rows[name.split(".", 3)[3].rpartition(".")[0]]
+            n = rows[(self.expert_stack(name) or name).split(".", 3)[3].rpartition(".")[0]]
             out.append((name, start, start + n))
             start += n
         return out
 
-    def stored_names(self, hf_names: Iterable[str]) -> dict[str, list[str]]:
+    def stored_names(self, hf_names: Iterable[str], stack_experts: bool = False) -> dict[str, list[str]]:
         """Stored tensor name -> the logical tensors it holds (itself, or a fused linear's parts in row
-        order), for the logical names a source lists: the tensors a writer of this family's files writes."""
+        order), for the logical names a source lists: the tensors a writer of this family's files writes.
+        With `stack_experts` (GGUF), the experts' tensors of one kind are one stack, in expert order."""
         names = list(hf_names)
         present = set(names)
         groups: dict[str, list[str]] = {}
         for name in names:
+            stack = self.expert_stack(name) if stack_experts else None
+            if stack is not None:
+                groups.setdefault(stack, []).append(name)
+                continue
             fused = self.fused_of(name)
             if fused is None:
                 groups[name] = [name]
@@ -215,7 +264,20 @@ class Family:
                 if missing:
                     raise InputError(f"{fused[0]} is stored fused; its part {missing[0]} is missing")
                 groups[fused[0]] = parts
+        for stack, parts in groups.items():
+            if self.is_stack(stack):  # in expert order (a file lists "experts.10" before "experts.2")
+                expected = [stack.replace(".*.", f".{e}.") for e in range(len(parts))]
+                if set(parts) != set(expected):
+                    raise InputError(f"{stack}: the experts are not numbered 0 to {len(parts) - 1}")
+                parts[:] = expected
         return groups
+
+    def stored_shape(self, hf_name: str, part_shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+        """The shape of stored tensor `hf_name` from its parts': an expert stack adds an axis, a fused
+        linear stacks rows."""
+        if self.is_stack(hf_name):
+            return (len(part_shapes), *part_shapes[0])
+        return (sum(s[0] for s in part_shapes), *part_shapes[0][1:])
 
     @property
     def linears(self) -> tuple[str, ...]:
@@ -230,6 +292,7 @@ class Family:
         fused = self.fused_of(hf_name)
         if fused is not None:
             hf_name = fused[0]
+        hf_name = self.expert_stack(hf_name) or hf_name
         m = _HF_BLOCK.match(hf_name)
         if m and m.group(2) in self.block_tensors:
             return f"blk.{m.group(1)}.{self.block_tensors[m.group(2)]}"
@@ -281,30 +344,38 @@ class Family:
             block += [("self_attn.q_norm.weight", (hd,), NORM), ("self_attn.k_norm.weight", (hd,), NORM)]
         block += [("self_attn.o_proj.weight", (h, q), LINEAR), ("post_attention_layernorm.weight", (h,), NORM)]
         block += [(name, (h,), NORM) for name, _ in self.extra_norms if name != "post_attention_layernorm.weight"]
-        f, experts = arch.intermediate_size, int(arch.extra.get("num_experts", 0))
-        if not experts:
+        f, moe = arch.intermediate_size, self.experts
+        if moe is None:
             block += [("mlp.gate_proj.weight", (f, h), LINEAR), ("mlp.up_proj.weight", (f, h), LINEAR),
                       ("mlp.down_proj.weight", (h, f), LINEAR)]  # fmt: skip
-        else:  # Mixtral (planning only): a router and experts w1/w3/w2 (gate/up/down), stacked in GGUF
-            block += [("block_sparse_moe.gate.weight", (experts, h), ROUTER),
-                      ("block_sparse_moe.experts.*.w1.weight", (experts, f, h), EXPERT),
-                      ("block_sparse_moe.experts.*.w3.weight", (experts, f, h), EXPERT),
-                      ("block_sparse_moe.experts.*.w2.weight", (experts, h, f), EXPERT)]  # fmt: skip
+        else:  # a router and the experts' gate/up/down, each kind one [experts, rows, cols] stack in GGUF
+            e, stack = num_experts(arch), f"{moe.module}.*."
+            block += [(f"{moe.router}.weight", (e, h), ROUTER), (f"{stack}{moe.gate}.weight", (e, f, h), EXPERT),
+                      (f"{stack}{moe.up}.weight", (e, f, h), EXPERT), (f"{stack}{moe.down}.weight", (e, h, f), EXPERT)]  # fmt: skip
         for f in self.fused:  # one stored linear in place of its parts, rows stacked
             first = next(i for i, b in enumerate(block) if b[0] == f"{f.parts[0]}.weight")
             parts = [b for b in block if b[0].removesuffix(".weight") in f.parts]
             block = [b for b in block if b not in parts]
             block.insert(first, (f"{f.name}.weight", (sum(b[1][0] for b in parts), h), LINEAR))
-        names = {**self.block_tensors, **MOE_TENSORS}
+        names = self.block_tensors
         return [(f"model.layers.{layer}.{suffix}", f"blk.{layer}.{names[suffix]}", shape, role)
                 for suffix, shape, role in block]
 
 
 def linear_rows(arch: ArchSpec) -> dict[str, int]:
-    """Output rows of each linear of the Llama block (what a fused linear's parts take)."""
+    """Output rows of each linear of the block (what a fused linear's parts and a stack's experts take)."""
     q, kv, f = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.intermediate_size
-    return {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv, "self_attn.o_proj": arch.hidden_size,
+    rows = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv, "self_attn.o_proj": arch.hidden_size,
             "mlp.gate_proj": f, "mlp.up_proj": f, "mlp.down_proj": arch.hidden_size}
+    moe = arch.family.experts
+    if moe is not None:
+        rows.update({f"{moe.module}.*.{moe.gate}": f, f"{moe.module}.*.{moe.up}": f, f"{moe.module}.*.{moe.down}": arch.hidden_size})
+    return rows
+
+
+def num_experts(arch: ArchSpec) -> int:
+    """How many experts each MoE block holds (0: a dense model)."""
+    return int(arch.extra.get("num_experts", 0))
 
 
 def permute_for_gguf(t: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -56,6 +56,10 @@ def _render(info: dict[str, Any]) -> None:
         "weights": f"{human_bytes(info['bytes'])} ({info['bytes']:,} bytes)",
         "bits per weight": info["bits_per_weight"],
     }))
+    aside = info.get("not_read")
+    if aside:
+        out.print(f"[yellow]{aside['model']}: the language model only; its vision tower and projector "
+                  f"({aside['tensors']} tensors, {human_count(aside['parameters'])} parameters) are not read[/]")
     types = Table(title="Tensor types", title_justify="left")
     for col in ("type", "tensors", "parameters", "bytes"):
         types.add_column(col, justify="left" if col == "type" else "right")

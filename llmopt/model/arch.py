@@ -7,6 +7,7 @@ from typing import Any
 
 from llmopt.errors import InputError
 from llmopt.model.families import Family, family_for_gguf, family_for_hf
+from llmopt.model.multimodal import text_config
 from llmopt.model.validate import MAX_DIM, MAX_LAYERS, check_heads, integer, number
 
 
@@ -50,6 +51,12 @@ class ArchSpec:
             raise InputError(f"config.json: `architectures` must be a list of class names, got {archs!r:.60}")
         model_type = cfg.get("model_type")
         family = family_for_hf(archs, model_type if isinstance(model_type, str) else None)
+        extra: dict[str, Any] = {"hf_architecture": (archs or [family.hf_architectures[0]])[0]}
+        nested = text_config(cfg, family)
+        if nested is not None:  # a multimodal checkpoint: its language model, as a text model of the family
+            cfg, extra["multimodal"] = nested
+            extra["hf_architecture"] = family.hf_architectures[0]
+        cfg = {**family.hf_defaults, **cfg}  # what transformers' config class assumes for omitted keys
 
         def get(key: str, default: Any = None) -> Any:
             value = cfg.get(key, default)
@@ -91,7 +98,7 @@ class ArchSpec:
             attention_bias=bool(cfg.get("attention_bias", family.qkv_bias)),
             rope_scaling=rope_scaling,
             sliding_window=None if window is None else integer(window, "config.json `sliding_window`"),
-            extra={"hf_architecture": (archs or [family.hf_architectures[0]])[0]},
+            extra=extra,
         ), cfg)
 
     def to_hf_config(self, dtype: str) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from llmopt.errors import InputError, guarded
 from llmopt.model.arch import ArchSpec
+from llmopt.model.multimodal import text_tensor_name
 from llmopt.model.validate import check_tensors
 from llmopt.model.source import ModelSource, TensorInfo, torch_dtype
 from llmopt.model.tokenizer import TokenizerInfo, tokenizer_from_hf_dir
@@ -49,20 +50,29 @@ class HFDirSource(ModelSource):
         self.quantization_config = self.config.get("quantization_config")
         self._handles: dict[Path, Any] = {}
         self._file_of: dict[str, Path] = {}
-        self.tensors = {}
+        self._key: dict[str, str] = {}  # HF name -> the name in the file, where they differ (multimodal)
+        self.tensors, self.set_aside = {}, {}
+        multimodal = "multimodal" in self.arch.extra
         for file in self._weight_files():
             handle = self._open(file)
-            for name in handle.keys():
-                if name.endswith(_IGNORED_SUFFIXES):
+            for key in handle.keys():
+                if key.endswith(_IGNORED_SUFFIXES):
                     continue
-                sl = handle.get_slice(name)
+                name = text_tensor_name(key) if multimodal else key
+                sl = handle.get_slice(key)
                 shape = tuple(int(d) for d in sl.get_shape())
                 dtype = sl.get_dtype()
                 numel = 1
                 for d in shape:
                     numel *= d
-                self.tensors[name] = TensorInfo(name, name, shape, dtype, numel * _ITEMSIZE.get(dtype, 0))
+                info = TensorInfo(name or key, key, shape, dtype, numel * _ITEMSIZE.get(dtype, 0))
+                if name is None:  # the vision tower's or the projector's: not read
+                    self.set_aside[key] = info
+                    continue
+                self.tensors[name] = info
                 self._file_of[name] = file
+                if name != key:
+                    self._key[name] = key
         if not self.tensors:
             raise InputError(f"{path}: the safetensors files hold no tensors")
         for name, info in self.tensors.items():
@@ -112,7 +122,8 @@ class HFDirSource(ModelSource):
         stored, rows = self.stored_rows(name)
         handle = self._handles[self._file_of[stored]]
         # a view into safetensors' private map (a fused linear's part: only its rows are read)
-        t = handle.get_tensor(stored) if rows is None else handle.get_slice(stored)[rows]
+        key = self._key.get(stored, stored)
+        t = handle.get_tensor(key) if rows is None else handle.get_slice(key)[rows]
         # always a copy: callers own what they get, and release_pages() may drop the map's pages
         return t.clone() if dtype is None or not t.is_floating_point() else t.to(dtype, copy=True)
 

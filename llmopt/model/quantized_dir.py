@@ -94,7 +94,7 @@ class PackedDirSource(HFDirSource):
 
     def raw(self, module: str, part: str) -> torch.Tensor:
         name = f"{module}.{part}"
-        return self._handles[self._file_of[name]].get_tensor(name)
+        return self._handles[self._file_of[name]].get_tensor(self._key.get(name, name))
 
     def load(self, name: str, dtype: torch.dtype | str | None = "float32") -> torch.Tensor:
         dtype = torch_dtype(dtype)

@@ -58,6 +58,9 @@ class ModelSource(ABC):
     # and the stored tensors' own infos; `tensors` lists the parts, never the fused tensor
     fused_rows: dict[str, tuple[str, int, int]] = {}
     fused_tensors: dict[str, TensorInfo] = {}
+    # a multimodal checkpoint's tensors outside its language model (vision tower, projector), by their
+    # names in the file: listed for `inspect`, never read
+    set_aside: dict[str, TensorInfo] = {}
 
     def split_fused(self) -> None:
         """List each of the family's fused tensors as the linears it holds (rows of the stored tensor),

@@ -34,6 +34,10 @@ def summarize(source: ModelSource, with_tensors: bool = False) -> dict[str, Any]
         "tokenizer": tok.summary() if tok is not None else None,
         "quantization_config": source.quantization_config,
     }
+    if source.set_aside:  # a multimodal checkpoint: what is not its language model
+        aside = source.set_aside.values()
+        out["not_read"] = {"model": source.arch.extra.get("multimodal"), "tensors": len(aside),
+                           "parameters": sum(t.numel for t in aside), "bytes": sum(t.nbytes for t in aside)}
     if with_tensors:
         out["tensors"] = [
             {"name": t.name, "stored_name": t.stored_name, "shape": list(t.shape), "type": t.dtype, "bytes": t.nbytes}

@@ -14,14 +14,15 @@ FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA3, MIXT
 
 
 def supported_architectures() -> str:
-    return ", ".join(a for f in FAMILIES for a in f.hf_architectures)
+    return ", ".join(a for f in FAMILIES for a in (*f.hf_architectures, *f.hf_multimodal))
 
 
 def family_for_hf(architectures: list[str] | None, model_type: str | None) -> Family:
-    """The family of an HF config, from `architectures` (preferred) or `model_type`."""
+    """The family of an HF config, from `architectures` (preferred) or `model_type`; a multimodal
+    class gives the family of its language model."""
     for arch in architectures or []:
         for family in FAMILIES:
-            if arch in family.hf_architectures:
+            if arch in family.hf_architectures or arch in family.hf_multimodal:
                 return family
     if not architectures:
         for family in FAMILIES:

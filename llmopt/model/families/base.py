@@ -173,6 +173,13 @@ class Family:
     # the rope tables the blocks read, one spec per table (Gemma 3: global and sliding layers' bases);
     # the decoder hands every block all of them side by side, head_dim wide each
     rope_archs: Callable[[ArchSpec], tuple[ArchSpec, ...]] = field(default=_one_rope, compare=False)
+    # multimodal classes whose language model is this family (Gemma3ForConditionalGeneration): their
+    # config.json nests it as `text_config` and their files prefix its tensors; llmopt reads the
+    # language model alone (`model/multimodal.py`) and sets the vision tower aside
+    hf_multimodal: tuple[str, ...] = ()
+    # what transformers' config class assumes for keys a config.json leaves out (Gemma3TextConfig's:
+    # a published multimodal config's `text_config` names only what differs from them)
+    hf_defaults: dict[str, Any] = field(default_factory=dict, compare=False)
     # per layer, how many past tokens its KV cache must keep (None: the whole context). llama.cpp
     # keeps Mistral's whole cache ("llama" has no window), so only Gemma 3 names its sliding layers'
     kv_windows: Callable[[ArchSpec], list[int | None]] = field(default=_whole_context, compare=False)

@@ -33,6 +33,15 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 PATTERN = 6  # every 6th layer global: transformers' default sliding_window_pattern, llama.cpp's set_swa_pattern(6)
 LOCAL_BASE = 10000.0  # transformers' default rope_local_base_freq; llama.cpp's rope_freq_base_train_swa
 GLOBAL_TABLE, LOCAL_TABLE = 0, 1  # the order of `_rope_archs`' tables
+# Gemma3TextConfig's defaults (transformers), which fill what a config.json leaves out: the published
+# gemma-3-4b-it and larger name only hidden/intermediate sizes, layers, rope scaling and window in
+# their nested text_config (and 12b/27b the head counts). The rope bases, query_pre_attn_scalar and
+# tying take their defaults in `_adapt_hf`.
+TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6, "sliding_window": 4096, "attention_bias": False,
+}  # fmt: skip
 
 STAGES = (
     Stage(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm", "self_attn"),
@@ -179,6 +188,8 @@ GEMMA3 = Family(
     name="gemma3",
     hf_architectures=("Gemma3ForCausalLM",),
     hf_model_type="gemma3_text",
+    hf_multimodal=("Gemma3ForConditionalGeneration",),  # 4B and larger: the language model is read, not the vision tower
+    hf_defaults=TEXT_DEFAULTS,
     gguf_arch="gemma3",
     permute_qk=False,
     qk_norm=True,

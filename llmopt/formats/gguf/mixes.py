@@ -87,8 +87,10 @@ def _c_mod(a: int, b: int) -> int:
 
 
 def allows_quantization(gguf_name: str, shape: Sequence[int]) -> bool:
-    """tensor_allows_quantization for dense decoders: 2-D `*weight` tensors that are not norms."""
-    return len(shape) >= 2 and gguf_name.endswith("weight") and "_norm.weight" not in gguf_name
+    """tensor_allows_quantization for our families: 2-D (or expert-stacked 3-D) `*weight` tensors that
+    are not norms or an MoE router (`ffn_gate_inp`, which llama.cpp keeps in float)."""
+    return (len(shape) >= 2 and gguf_name.endswith("weight") and "_norm.weight" not in gguf_name
+            and "ffn_gate_inp.weight" not in gguf_name)
 
 
 def category(gguf_name: str) -> str:
@@ -369,12 +371,12 @@ def gguf_shapes(source) -> dict[str, tuple[int, ...]]:  # noqa: ANN001 - ModelSo
     """GGUF name -> HF-orientation shape for every tensor a GGUF written from `source` holds."""
     family = source.arch.family
     shapes: dict[str, tuple[int, ...]] = {}
-    for hf_name, parts in family.stored_names(source.tensors).items():  # a fused linear: its parts' rows stacked
+    # a fused linear: its parts' rows stacked; an expert stack: the experts' tensors along a new first axis
+    for hf_name, parts in family.stored_names(source.tensors, stack_experts=True).items():
         gguf_name = family.hf_to_gguf_name(hf_name)
         if gguf_name is None:
             continue
         if gguf_name == "output.weight" and source.arch.tie_word_embeddings:
             continue
-        shape = tuple(source.tensors[parts[0]].shape)
-        shapes[gguf_name] = (sum(source.tensors[p].shape[0] for p in parts), *shape[1:])
+        shapes[gguf_name] = family.stored_shape(hf_name, [tuple(source.tensors[p].shape) for p in parts])
     return shapes

@@ -117,7 +117,8 @@ def plan_gguf(
     types = plan_shapes(shapes, mix, source.arch, overrides=overrides, has_imatrix=has_imatrix,
                         output_tensor_type=output_tensor_type)  # fmt: skip
     family = source.arch.family
-    stored = family.stored_names(source.tensors)  # a fused linear (attn_qkv) stacks several source tensors
+    stored = family.stored_names(source.tensors, stack_experts=True)  # a fused linear (attn_qkv), an expert stack
+    # (ffn_gate_exps) hold several source tensors
     by_gguf = {family.hf_to_gguf_name(n): n for n in stored}
     tensors = []
     for name in shapes:
@@ -208,7 +209,8 @@ class GGUFWriter:
             return self.updated.pop(planned.hf_name, None)
         if not any(p in self.updated for p in planned.parts):
             return None
-        return torch.cat([self.updated.pop(p, None) if p in self.updated else self.source.load(p) for p in planned.parts])
+        parts = [self.updated.pop(p, None) if p in self.updated else self.source.load(p) for p in planned.parts]
+        return (torch.stack if self.source.arch.family.is_stack(planned.hf_name) else torch.cat)(parts)
 
     def finish(self) -> Path:
         self._write_ready(final=True)

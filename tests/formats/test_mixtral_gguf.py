@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import gguf
 import numpy as np
+import pytest
 import torch
 import transformers
 
 from llmopt.api import convert_to_gguf, convert_to_hf
+from llmopt.formats.gguf.mixes import CLASSIC_MIXES, plan_shapes
 from llmopt.model import open_model
+from llmopt.model.arch import ArchSpec
 from llmopt.model.decoder import Decoder
-from tests.formats.gguf.llama_cpp_helpers import assert_same_tensors, assert_same_top1, llama_cpp_logits
+from llmopt.model.families import MIXTRAL
+from tests.formats.gguf.llama_cpp_helpers import (assert_same_tensors, assert_same_top1, assert_type_map_equals_llama_quantize,
+                                                  llama_cpp_logits, llama_dry_run_types, write_sparse_f16_gguf)
 from tests.model.test_mixtral import EXPERTS, PER_TOKEN, ids, make_tiny_mixtral
 
 
@@ -54,3 +59,31 @@ def test_gguf_to_hf_to_gguf_keeps_every_tensor(tmp_path) -> None:
     with open_model(tmp_path / "hf") as src, torch.no_grad():
         diff = (Decoder.from_source(src)(x) - ref(x).logits).abs().max().item()
     assert diff < 1e-4, diff
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q2_K"])
+def test_written_type_map_equals_llama_quantize(tmp_path, mix: str) -> None:
+    """The types in our Q4_K_M / Q2_K file of the random Mixtral (expert stacks quantized, router F32)
+    equal those llama.cpp's quantizer plans for our F16 file."""
+    assert_type_map_equals_llama_quantize(make_tiny_mixtral(tmp_path / "mixtral"), tmp_path, mix)
+
+
+@pytest.mark.parametrize("mix", [m for m in CLASSIC_MIXES if m not in ("F16", "BF16")] + ["IQ4_XS", "IQ4_NL", "MXFP4_MOE"])
+def test_expert_rules_match_llama_cpp_on_32_layers(tmp_path, mix: str) -> None:
+    """A Mixtral-8x7B-shaped file (32 layers, 8 experts, 2 per token, GQA 4, head_dim 128) narrowed to
+    1024 wide, without data: llama.cpp's 8-expert rules (attn_k and attn_v to Q8_0, attn_output to Q5_K,
+    the router kept in float, MXFP4 for the expert stacks) and its per-layer ffn_down upgrades against its dry run."""
+    arch = ArchSpec(family=MIXTRAL, hidden_size=1024, num_layers=32, num_heads=8, num_kv_heads=2, head_dim=128,
+                    intermediate_size=3584, vocab_size=512, max_position_embeddings=4096, rope_theta=1e6,
+                    rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False,
+                    extra={"num_experts": EXPERTS, "experts_per_token": PER_TOKEN})  # fmt: skip
+    shapes = {"token_embd.weight": (512, 1024)}
+    for i in range(arch.num_layers):
+        shapes.update({gguf_name: shape for _, gguf_name, shape, _ in MIXTRAL.tensor_shapes(arch, i)})
+    shapes.update({"output_norm.weight": (1024,), "output.weight": (512, 1024)})
+    assert shapes["blk.3.ffn_down_exps.weight"] == (EXPERTS, 1024, 3584) and shapes["blk.3.ffn_gate_inp.weight"] == (EXPERTS, 1024)
+    path = write_sparse_f16_gguf(tmp_path / "mixtral.gguf", shapes, hidden=1024, ffn=3584, layers=32, heads=8,
+                                 kv_heads=2, experts=(EXPERTS, PER_TOKEN))  # fmt: skip
+    ours = plan_shapes(shapes, mix, arch)
+    assert ours["blk.0.ffn_gate_inp.weight"] == "F32"
+    assert ours == llama_dry_run_types(path, mix)

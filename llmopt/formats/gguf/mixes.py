@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from llmopt.errors import InputError, OptionError
 from llmopt.formats.gguf.types import block_geometry, is_quantized, writable_type
 from llmopt.model.arch import ArchSpec
+from llmopt.model.families.base import num_experts
 
 MIXES: tuple[str, ...] = (
     "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
@@ -110,8 +111,9 @@ def category(gguf_name: str) -> str:
 
 
 def _is_70b(arch: ArchSpec) -> bool:
-    """llama.cpp's LLM_TYPE_70B, which bumps attn_v: 80 layers (with GQA for the llama arch)."""
-    if arch.num_layers != 80:
+    """llama.cpp's LLM_TYPE_70B, which bumps attn_v: 80 layers (with GQA for the llama arch; an
+    8-expert llama is never 70B: models/llama.cpp sizes it as 8x7B or 8x22B)."""
+    if arch.num_layers != 80 or num_experts(arch) == 8:
         return False
     return arch.family.gguf_arch != "llama" or arch.num_heads != arch.num_kv_heads
 
@@ -123,8 +125,9 @@ def requires_imatrix(gguf_name: str, type_name: str) -> bool:
 
 
 def _mix_rules(cat: str, new_type: str, mix: str, arch: ArchSpec, row_length: int, i_layer: int, n_layer: int,
-               tied: bool, has_imatrix: bool, output_tensor_type: str | None) -> str:  # fmt: skip
-    """llama_tensor_get_type_impl restricted to the mixes in MIXES and dense (non-MoE) models."""
+               tied: bool, has_imatrix: bool, output_tensor_type: str | None, stacked: bool = False) -> str:  # fmt: skip
+    """llama_tensor_get_type_impl restricted to the mixes in MIXES and the families llmopt
+    reads: dense decoders and Mixtral's experts (`stacked`: a 3-D expert stack; llama.cpp's n_expert rules)."""
     if cat == "output" or (tied and cat == "token_embd"):
         if output_tensor_type is not None:
             return output_tensor_type
@@ -133,17 +136,19 @@ def _mix_rules(cat: str, new_type: str, mix: str, arch: ArchSpec, row_length: in
         if mix in LOW_BIT_MIXES or mix == "IQ3_XXS":
             return "Q5_K"
         return new_type if new_type == "Q8_0" else "Q6_K"
-    if mix == "MXFP4_MOE":  # MXFP4 is for 3-D expert tensors, which dense models do not have
-        return "Q8_0"
+    if mix == "MXFP4_MOE":  # MXFP4 for the 3-D expert stacks, Q8_0 for the rest
+        return "MXFP4" if stacked else "Q8_0"
     if cat == "token_embd":
         if mix in ("IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ1_M"):
             return "Q2_K"
         if mix in ("IQ2_S", "IQ2_M", "IQ3_XXS"):
             return "IQ3_S"
         return "Q4_K" if mix in TERNARY_MIXES else new_type
-    n_gqa = arch.num_heads // max(1, arch.num_kv_heads)
+    n_gqa, n_expert = arch.num_heads // max(1, arch.num_kv_heads), num_experts(arch)
     if mix in LOW_BIT_MIXES:
-        return _low_bit_rules(cat, new_type, mix, i_layer, n_layer, n_gqa)
+        return _low_bit_rules(cat, new_type, mix, i_layer, n_layer, n_gqa, n_expert)
+    if cat == "attn_k" and n_expert == 8:  # llama.cpp: "for the 8-expert model, bumping this to Q8_0 trades just ~128MB"
+        return "Q8_0"
     if cat in ("attn_q", "attn_k"):
         return {"IQ3_XS": "IQ3_XXS", "IQ3_XXS": "IQ2_S"}.get(mix, new_type)
     if cat in ("ffn_gate", "ffn_up"):  # (llama.cpp counts these per kind; for a dense model the count is the layer)
@@ -167,7 +172,7 @@ def _mix_rules(cat: str, new_type: str, mix: str, arch: ArchSpec, row_length: in
             new_type = "Q4_K"
         if _is_70b(arch) and new_type in ("Q3_K", "Q4_K"):
             new_type = "Q5_K"
-        return new_type
+        return "Q8_0" if n_expert == 8 else new_type
     if cat == "ffn_down":
         if mix == "Q2_K":
             return "Q3_K"
@@ -187,22 +192,33 @@ def _mix_rules(cat: str, new_type: str, mix: str, arch: ArchSpec, row_length: in
             return "Q4_1" if mix == "Q4_0" else "Q5_1"
         if mix == "IQ3_XXS" and not has_imatrix:
             return "Q4_K" if i_layer < n_layer // 8 else "Q3_K"
-        if mix == "IQ3_M" and i_layer < n_layer // 8:
+        if mix == "IQ3_M" and (i_layer < n_layer // 8 or (n_expert == 8 and use_more_bits(i_layer, n_layer))):
             return "Q4_K"
         return new_type
+    if cat == "attn_output" and n_expert == 8:
+        return "Q5_K" if mix in EIGHT_EXPERT_ATTN_OUTPUT_Q5_K else new_type
     if cat == "attn_output":
         return {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K", "Q3_K_L": "Q5_K", "IQ3_XXS": "IQ3_S", "IQ3_M": "Q4_K"}.get(mix, new_type)
     return new_type
 
 
-def _low_bit_rules(cat: str, new_type: str, mix: str, i_layer: int, n_layer: int, n_gqa: int) -> str:
+# the mixes whose attn_output llama.cpp raises to Q5_K in an 8-expert model (Mixtral)
+EIGHT_EXPERT_ATTN_OUTPUT_Q5_K = ("Q2_K", "IQ3_XS", "IQ3_XXS", "Q3_K_S", "Q3_K_M", "IQ4_NL", "Q4_K_S", "Q4_K_M",
+                                 "IQ3_S", "IQ3_M", "IQ4_XS")  # fmt: skip
+
+
+def _low_bit_rules(cat: str, new_type: str, mix: str, i_layer: int, n_layer: int, n_gqa: int, n_expert: int) -> str:
     """llama.cpp's rules for the 2- and 1-bit i-quant mixes (no 70B bump): attn_v, the first eighth of
-    ffn_down and attn_output get more bits."""
+    ffn_down and attn_output get more bits (attn_k and attn_output more still in an 8-expert model)."""
     more = "IQ3_S" if mix in ("IQ2_S", "IQ2_M") else "Q2_K"
     if cat in ("attn_v", "attn_qkv", "attn_kv_b"):
-        return "Q4_K" if n_gqa >= 4 else more
+        return "Q4_K" if n_gqa >= 4 or n_expert >= 4 else more
+    if cat == "attn_k" and n_expert == 8:
+        return "Q4_K"
     if cat == "ffn_down":
         return more if i_layer < n_layer // 8 else new_type
+    if cat == "attn_output" and n_expert == 8:
+        return "Q5_K"
     if cat == "attn_output":
         return {"IQ1_S": "IQ2_XXS", "IQ1_M": "IQ2_XXS", "IQ2_S": "IQ3_S", "IQ2_M": "IQ3_S"}.get(mix, new_type)
     return new_type
@@ -279,7 +295,7 @@ def _choose(gguf_name: str, shape: tuple[int, ...], cat: str, allowed: bool, mix
     else:
         i_layer = _layer_of(gguf_name) if counter is None else counter
         new_type = _mix_rules(cat, default, mix, arch, shape[-1], i_layer, arch.num_layers, tied, has_imatrix,
-                              output_tensor_type)  # fmt: skip
+                              output_tensor_type, stacked=len(shape) == 3 and shape[0] > 1)  # fmt: skip
     return _fallback(new_type, shape[-1])
 
 

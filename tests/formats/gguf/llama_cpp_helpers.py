@@ -123,15 +123,19 @@ def write_random_f16_gguf(path: Path, *, arch: str = "llama", hidden: int = 256,
 
 
 def write_sparse_f16_gguf(path: Path, shapes: dict[str, tuple[int, ...]], *, arch: str = "llama", hidden: int,
-                          ffn: int, layers: int, heads: int, kv_heads: int) -> Path:
-    """An F16 GGUF with the given tensor shapes (HF orientation) and no data (a sparse file).
+                          ffn: int, layers: int, heads: int, kv_heads: int, experts: tuple[int, int] | None = None) -> Path:
+    """An F16 GGUF with the given tensor shapes (HF orientation) and no data (a sparse file); `experts`
+    (count, used per token) for a mixture-of-experts model, whose router stays F32 as the converter writes it.
 
     Enough for llama.cpp's `--dry-run`, which plans types without reading tensor data.
     """
     w = _writer_with_hparams(path, arch, hidden, ffn, layers, heads, kv_heads)
+    if experts is not None:
+        w.add_expert_count(experts[0])
+        w.add_expert_used_count(experts[1])
     total = 0
     for name, shape in shapes.items():
-        dtype = np.float32 if len(shape) == 1 else np.float16
+        dtype = np.float32 if len(shape) == 1 or "ffn_gate_inp" in name else np.float16
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
         w.add_tensor_info(name, shape, np.dtype(dtype), nbytes)
         total += gguf.GGUFWriter.ggml_pad(nbytes, w.data_alignment)

@@ -346,4 +346,7 @@ def load_block(source: ModelSource, layer: int, dtype: torch.dtype = torch.float
              for n in source.tensors if n.startswith(prefix)}
     block.load_state_dict(state, strict=True, assign=True)
     source.release_pages()  # the block is copied out; its file pages need not stay resident
+    for module in block.modules():  # a MoE layer runs every expert, so each chunk reaches every expert's stage
+        if hasattr(module, "every_expert"):
+            module.every_expert = True
     return block.eval()

@@ -44,6 +44,9 @@ class SparseMoE(nn.Module):
         setattr(self, self.experts_name, nn.ModuleList(Expert(arch, spec) for _ in range(num_experts(arch))))
         self.top_k = int(arch.extra["experts_per_token"])
         self.renormalize = spec.renormalize
+        # run experts no token chose too (on no rows): a block loaded for calibration (`load_block`), so
+        # every chunk's forward reaches every expert's stage of the stage table, in order
+        self.every_expert = False
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's chosen experts [n, k] and their weights [n, k] (softmax in float32, as transformers)."""
@@ -60,7 +63,7 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(x)
         for e, expert in enumerate(getattr(self, self.experts_name)):
             rows, slot = (chosen == e).nonzero(as_tuple=True)
-            if rows.numel():  # an expert no token chose does not run
+            if rows.numel() or self.every_expert:  # an expert no token chose does not run
                 out.index_add_(0, rows, expert(x[rows]) * weights[rows, slot, None])
         return out.reshape(shape)
 

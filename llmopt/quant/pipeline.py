@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 import copy
+import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -34,14 +35,18 @@ import torch
 from torch import nn
 
 from llmopt.calibration.capture import embed
+from llmopt.errors import OptionError
 from llmopt.model.decoder import RMSNorm, Rotary, load_block
 from llmopt.model.families.base import HEAD, Stage
 from llmopt.model.source import ModelSource
 from llmopt.quant.grids import Grid
 from llmopt.quant.method import BlockAccess, Collector, Method, MethodConfig, Quantized
 from llmopt.quant.metrics import weight_error
+from llmopt.quant.rtn import RTN, RTNConfig
 from llmopt.quant.staged import StagedForward
 from llmopt.quantized_tensor import QuantizedTensor
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -180,6 +185,9 @@ def _chunks(n: int, size: int) -> list[slice]:
 def _calibrated(source: ModelSource, spec: QuantizeSpec, method: Method, tokens: torch.Tensor,
                 device: torch.device) -> Iterator[BlockResult]:  # fmt: skip
     arch = source.arch
+    if arch.family.experts is not None and (method.full_precision_inputs or hasattr(method, "block_collector")):
+        raise OptionError(f"<method> {method.name}: with its options it is not supported for mixture-of-experts "
+                          f"models ({arch.family.name}); GPTQ (without fp_target) and RTN are")  # fmt: skip
     x = embed(source, tokens, torch.float32, device)  # [n, t, hidden]: the current block's inputs
     x_fp = x.clone() if method.full_precision_inputs else None  # the same, through the unquantized model
     n, t = tokens.shape
@@ -222,19 +230,45 @@ def _calibrated_block(source: ModelSource, spec: QuantizeSpec, method: Method, l
         for i in range(len(chunks)):  # the block's outputs with every weight quantized
             x[chunks[i]] = forward(i)
     else:
+        experts, routed = source.arch.family.experts, {}  # each MoE expert: the calibration tokens routed to it
         with StagedForward(run, stages, forward, len(chunks)) as staged:
             for k, stage in enumerate(stages):
-                stats = None
+                stats, seen = None, 0
                 for i, inp in staged.inputs(k):
                     if stats is None:
                         stats = method.collector(inp.shape[-1], device)
                     stats.add(inp, None if fp_inputs is None else fp_inputs[k][chunks[i]])
-                _quantize_stage(block, run, layer, stage, spec, method, stats, result)
+                    seen += inp[..., 0].numel()
+                if seen == 0:  # no statistics to round with: to nearest, on the same grid
+                    _quantize_stage(block, run, layer, stage, spec, ROUND_TO_NEAREST, None, result)
+                else:
+                    _quantize_stage(block, run, layer, stage, spec, method, stats, result)
                 del stats
+                if experts is not None and stage.linears[0].startswith(experts.module + "."):  # saw its routed tokens
+                    routed[stage.linears[0].rpartition(".")[0]] = seen
+                    for report in result.reports[-len(stage.linears):]:
+                        report.details.update(routed_tokens=seen, **({"rtn_fallback": 1} if seen == 0 else {}))
             for i, out in staged.outputs():  # the block's outputs with every weight quantized
                 x[chunks[i]] = out
+        _warn_routed(layer, routed, x.shape[-1])
     result.seconds = time.perf_counter() - start
     return result
+
+
+ROUND_TO_NEAREST = RTN(RTNConfig())  # rounds onto each module's own grid (the config's grid is not used)
+
+
+def _warn_routed(layer: int, routed: dict[str, int], width: int) -> None:
+    """The rule for MoE experts, which see only the calibration tokens routed to them: an expert no
+    token reached is rounded to nearest (a method's statistics are empty); one that saw fewer tokens
+    than the hidden width is quantized from a rank-deficient Hessian (GPTQ leans on its damping there).
+    Both are named in one warning per layer. `routed`: each expert's module -> its tokens."""
+    none = [m for m, n in routed.items() if n == 0]
+    few = [f"{m} ({n})" for m, n in routed.items() if 0 < n < width]
+    parts = ([f"no routed calibration tokens, rounded to nearest (RTN): {', '.join(none)}"] if none else []) + (
+        [f"fewer routed tokens than the hidden width {width}: {', '.join(few)}"] if few else [])
+    if parts:
+        log.warning("layer %d experts with %s", layer, "; ".join(parts))
 
 
 def _transform(block: nn.Module, run: nn.Module, layer: int, source: ModelSource, spec: QuantizeSpec,

@@ -13,6 +13,7 @@ re-rounding; the rest still come from the source. `write_gguf` is the plain conv
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import struct
 import tempfile
@@ -306,7 +307,7 @@ def encode_computed(source: ModelSource, planned: PlannedTensor, qt: QuantizedTe
     for llama.cpp, packed as they are."""
     if qt.grid != planned.type_name:
         raise InputError(f"{planned.gguf_name}: quantized onto {qt.grid}, but the plan says {planned.type_name}")
-    if qt.shape != tuple(planned.shape):
+    if qt.shape != (math.prod(planned.shape[:-1]), planned.shape[-1]):  # an expert stack: its experts' rows in order
         raise InputError(f"{planned.gguf_name}: quantized shape {qt.shape}, planned {tuple(planned.shape)}")
     arch = source.arch
     heads = arch.family.qk_heads(planned.hf_name or "", arch.num_heads, arch.num_kv_heads)

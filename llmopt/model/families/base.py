@@ -66,6 +66,16 @@ class Experts:
         """(expert-relative linear, llama.cpp's name of its stack) in forward order."""
         return ((self.gate, "ffn_gate_exps"), (self.up, "ffn_up_exps"), (self.down, "ffn_down_exps"))
 
+    def stages(self, count: int) -> tuple[Stage, ...]:
+        """Each expert's two stages, experts in order (the order `SparseMoE` runs them): gate and up read
+        the tokens routed to the expert (from the post-attention norm), down reads up's product."""
+        out = []
+        for e in range(count):
+            expert = f"{self.module}.{e}"
+            out += [Stage((f"{expert}.{self.gate}", f"{expert}.{self.up}"), "post_attention_layernorm", expert),
+                    Stage((f"{expert}.{self.down}",), f"{expert}.{self.up}", f"{expert}.{self.down}")]
+        return tuple(out)
+
     def stacks(self) -> dict[str, str]:
         """Block-relative HF suffix -> GGUF suffix of the router and each stacked kind."""
         out = {f"{self.router}.weight": "ffn_gate_inp.weight"}

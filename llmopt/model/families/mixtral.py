@@ -12,6 +12,7 @@ llama.cpp's llama graph routes with softmax gating and renormalised weights, as 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +36,15 @@ def experts_per_token(arch: ArchSpec) -> int:
 def _with_experts(arch: ArchSpec, count: Any, used: Any, where: str) -> ArchSpec:
     n = integer(count, f"{where} expert count", hi=1 << 16)
     k = integer(used, f"{where} experts per token", hi=n)
-    return replace(arch, extra={**arch.extra, "num_experts": n, "experts_per_token": k})
+    return replace(arch, family=with_expert_stages(arch.family, n), extra={**arch.extra, "num_experts": n, "experts_per_token": k})
+
+
+@functools.cache
+def with_expert_stages(family: Family, count: int) -> Family:
+    """The family with its stage table for `count` experts: attention's stages, then each expert's
+    (GPTQ quantizes each expert from the tokens routed to it)."""
+    assert family.experts is not None
+    return replace(family, stages=LLAMA_STAGES[:2] + family.experts.stages(count))
 
 
 def _adapt_hf(arch: ArchSpec, cfg: dict[str, Any]) -> ArchSpec:
@@ -69,7 +78,7 @@ MIXTRAL = Family(
     hf_model_type="mixtral",
     gguf_arch="llama",
     permute_qk=True,
-    stages=LLAMA_STAGES[:2],  # the experts' linears are not in the stage table yet (not quantized by methods)
+    stages=LLAMA_STAGES[:2],  # the experts' stages join once the count is read (`with_expert_stages`)
     hf_config_keys=_config_keys,
     make_block=_block,
     adapt_hf=_adapt_hf,

@@ -19,7 +19,7 @@ from torch import nn
 
 from llmopt.errors import InputError
 from llmopt.model.arch import ArchSpec
-from llmopt.model.rope import inv_freq
+from llmopt.model.rope import inv_freq, long_from
 from llmopt.model.source import ModelSource
 
 
@@ -246,30 +246,58 @@ class DecoderBlock(nn.Module):
 
 
 class Rotary(nn.Module):
-    """cos/sin tables for given positions, computed in float32 like the reference implementations."""
+    """cos/sin tables for given positions, computed in float32 like the reference implementations.
+
+    Longrope (Phi-3 128k) has two sets of frequencies: a forward whose last position reaches past
+    the original context takes the long factors for all its positions, as transformers does per
+    forward (so a prompt run in chunks passes `reach`, the end of the whole prompt, to every chunk;
+    the generation loop recomputes the cache at the first step past it, as transformers' Phi-3 does).
+    A packed batch takes each token's row from the table a decode step at its position uses."""
 
     def __init__(self, arch: ArchSpec):
         super().__init__()
         tables = arch.family.rope_archs(arch)  # [head_dim / 2], or one row per table (Gemma 3: two)
-        freqs = inv_freq(tables[0]) if len(tables) == 1 else torch.stack([inv_freq(a) for a in tables])
-        self.register_buffer("inv_freq", freqs, persistent=False)
-        self.table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin for positions 0..n-1
 
-    def forward(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        def freqs(long: bool) -> torch.Tensor:
+            return inv_freq(tables[0], long) if len(tables) == 1 else torch.stack([inv_freq(a, long) for a in tables])
+
+        self.register_buffer("inv_freq", freqs(False), persistent=False)
+        self.long_from = long_from(tables[0])  # None: one set of frequencies
+        if self.long_from is not None:
+            self.register_buffer("long_inv_freq", freqs(True), persistent=False)
+        self.tables: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # long? -> cos, sin for positions 0..n-1
+
+    def forward(self, start: int, length: int, dtype: torch.dtype, reach: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows start..start+length-1 of the table a forward ending at max(start + length, reach) uses."""
         end = start + length
-        if self.table is None or self.table[0].shape[0] < end or self.table[0].dtype != dtype:
-            size = max(end, 2 * (self.table[0].shape[0] if self.table is not None else 256))
-            self.table = self.compute(0, size, dtype)  # grown rarely: decode steps just slice it
-        return self.table[0][start:end], self.table[1][start:end]
+        cos, sin = self._table(self.long_from is not None and max(end, reach) > self.long_from, end, dtype)
+        return cos[start:end], sin[start:end]
+
+    def _table(self, long: bool, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self.tables.get(long)
+        if table is None or table[0].shape[0] < end or table[0].dtype != dtype:
+            size = max(end, 2 * (table[0].shape[0] if table is not None else 256))
+            table = self.tables[long] = self.compute(0, size, dtype, long)  # grown rarely: decode steps slice it
+        return table
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows of arbitrary positions (a packed batch: each token at its own)."""
-        cos, sin = self(0, int(positions.max()) + 1, dtype)
+        """cos/sin rows of arbitrary positions (a packed batch: each token at its own, from the table a
+        decode step at that position uses)."""
+        cos, sin = self.stepwise(int(positions.max()) + 1, dtype)
         return cos[positions], sin[positions]
 
-    def compute(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def stepwise(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows 0..length-1, each from the table a one-token forward at that position uses (what the
+        fixed-shape decode step selects from by its tensor position)."""
+        if self.long_from is None or length <= self.long_from:
+            return self(0, length, dtype)
+        short, long = self._table(False, length, dtype), self._table(True, length, dtype)
+        cut = self.long_from  # a token at position p takes the long table once p + 1 > long_from
+        return torch.cat([short[0][:cut], long[0][cut:length]]), torch.cat([short[1][:cut], long[1][cut:length]])
+
+    def compute(self, start: int, length: int, dtype: torch.dtype, long: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(start, start + length, device=self.inv_freq.device, dtype=torch.float32)
-        inv = self.inv_freq.float()
+        inv = (self.long_inv_freq if long else self.inv_freq).float()
         freqs = pos.view(-1, *[1] * inv.dim()) * inv  # [n, half] or [n, tables, half]
         emb = torch.cat((freqs, freqs), dim=-1).flatten(1)  # several tables: side by side
         return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -88,8 +88,16 @@ def longrope_factors(arch: ArchSpec) -> dict[str, list[float]]:
     return out
 
 
-def inv_freq(arch: ArchSpec) -> torch.Tensor:
-    """Rotary inverse frequencies, with llama3 / linear scaling applied when the config asks for it."""
+def long_from(arch: ArchSpec) -> int | None:
+    """Where longrope switches to its long factors: a forward whose last position is at or past the
+    original context uses them for all its positions (transformers' `longrope_frequency_update`:
+    max(position_ids) + 1 > original_max_position_embeddings). None for every other rope."""
+    return longrope_original_context(arch) if rope_kind(arch) == "longrope" else None
+
+
+def inv_freq(arch: ArchSpec, long: bool = False) -> torch.Tensor:
+    """Rotary inverse frequencies, with llama3 / linear scaling applied when the config asks for it;
+    under longrope the short factors, or the long ones with `long` (other ropes ignore it)."""
     import torch  # here, not at the top: planning (recommend) reads this module without torch
 
     dim = arch.head_dim
@@ -100,8 +108,8 @@ def inv_freq(arch: ArchSpec) -> torch.Tensor:
         return inv
     if kind == "linear":
         return inv / float(scaling["factor"])
-    if kind == "longrope":  # the short factors: what transformers uses up to the original context
-        return inv / torch.tensor(longrope_factors(arch)[ROPE_FACTORS_SHORT], dtype=torch.float32)
+    if kind == "longrope":  # transformers: the short factors up to the original context, then the long
+        return inv / torch.tensor(longrope_factors(arch)[ROPE_FACTORS_LONG if long else ROPE_FACTORS_SHORT], dtype=torch.float32)
     if kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])

@@ -29,7 +29,7 @@ class StaticDecodeStep(nn.Module):
         super().__init__()
         self.model = model
         self.cache = cache  # a submodule: its K/V buffers have fixed addresses
-        cos, sin = model.rotary(0, cache.max_len, cache.k.dtype)
+        cos, sin = model.rotary.stepwise(cache.max_len, cache.k.dtype)  # row p: a decode step at p
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 

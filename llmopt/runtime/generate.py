@@ -147,14 +147,23 @@ class Generator:
         self.device, self.dtype = param.device, param.dtype
         self.compiled = CompiledDecoder(model, "reduce-overhead" if self.device.type == "cuda" else None) if compile else None
         self.cache_factory = self.compiled if self.compiled is not None else cache_factory
+        self._cache_long = False  # whether the cache holds keys rotated by longrope's long factors
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, cache: GenerationCache) -> torch.Tensor:
         """Run the prompt through the model in chunks; return the logits after its last token."""
+        return self.model.lm_head(self.prefill_range(ids, cache)[0, -1]).float()
+
+    def prefill_range(self, ids: torch.Tensor, cache: GenerationCache, reach: int = 0) -> torch.Tensor:
+        """Write the K/V of `ids` (positions 0..) into the cache in chunks, each with the rope of one
+        forward over them all (longrope's table is chosen by where that forward ends: at least
+        `reach`); return the last chunk's hidden states."""
         h = None
         for start in range(0, ids.shape[0], self.prefill_chunk):
-            h = self.model.hidden(ids[None, start:start + self.prefill_chunk], start, cache)
-        return self.model.lm_head(h[0, -1]).float()
+            chunk = ids[None, start:start + self.prefill_chunk]
+            rope = self.model.rotary(start, chunk.shape[1], self.dtype, reach=max(reach, ids.shape[0]))
+            h = self.model.hidden(chunk, start, cache, rope)
+        return h
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_tokens: int = 256, sampling: SamplingConfig = SamplingConfig(),
@@ -181,6 +190,7 @@ class Generator:
         t0 = time.perf_counter()
         ids = list(prompt_ids)
         logits = self.prefill(torch.tensor(ids, device=self.device), cache)
+        self._cache_long = self._long_rope(len(ids))
         token = next_token(logits, sampling, self._history(ids, sampling), generator)
         out = Output(ids, max_tokens, self.eos, ignore_eos, stream, on_text, self.device)
         reason = out.commit([token])
@@ -190,6 +200,20 @@ class Generator:
         _sync(self.device)
         return out.result(reason, metrics, t0, time.perf_counter())
 
+    def _long_rope(self, end: int) -> bool:
+        """Whether a forward ending at `end` takes longrope's long factors (never for other ropes)."""
+        switch = self.model.rotary.long_from
+        return switch is not None and end > switch
+
+    def _refresh_for_long_rope(self, ids: list[int], cache: GenerationCache, end: int) -> None:
+        """The first forward past longrope's original context recomputes the cached keys with the long
+        factors, as transformers' Phi-3 generation does (prepare_inputs_for_generation drops its cache
+        there), so every later token sees the whole sequence under the long factors."""
+        if self._cache_long or not self._long_rope(end):
+            return
+        self.prefill_range(torch.tensor(ids[:-1], device=self.device), cache, reach=end)
+        self._cache_long = True
+
     def _history(self, ids: list[int], sampling: SamplingConfig) -> torch.Tensor:
         """The ids the repetition penalty looks at (none when it is off)."""
         return torch.tensor(ids if sampling.repetition_penalty != 1.0 else [], dtype=torch.long, device=self.device)
@@ -197,6 +221,7 @@ class Generator:
     def _plain_step(self, ids: list[int], cache: GenerationCache, sampling: SamplingConfig,
                     generator: torch.Generator, metrics: Metrics) -> list[int]:
         """One forward pass of the last token, one new token."""
+        self._refresh_for_long_rope(ids, cache, len(ids))
         if self.compiled is not None:
             logits = self.compiled.decode(ids[-1], len(ids) - 1)
         else:
@@ -211,6 +236,9 @@ class Generator:
         n = len(ids)
         drafts, q = self.drafter.propose(ids, self.num_draft, sampling, generator)
         if not drafts:  # nothing to propose (no n-gram match): an ordinary step
+            return self._plain_step(ids, cache, sampling, generator, metrics)
+        if not self._cache_long and self._long_rope(n + len(drafts)):  # longrope's switch: plain steps over it,
+            self.drafter.rollback(n)  # so the tokens stay the plain loop's (no draft kept)
             return self._plain_step(ids, cache, sampling, generator, metrics)
         block = torch.tensor([[ids[-1], *drafts]], device=self.device)
         logits = self.model(block, n - 1, cache)[0].float()  # [K+1, V]

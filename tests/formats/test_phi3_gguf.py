@@ -122,3 +122,31 @@ def test_reads_a_gguf_laid_out_by_llama_cpps_converter(tmp_path) -> None:
     again = tmp_path / "again.gguf"
     convert_to_gguf(ref_gguf, again, "F16")
     assert_same_tensors(ref_gguf, again, ordered=False)
+
+
+def test_longrope_past_the_original_context_runs_in_llama_cpp_with_our_top1(tmp_path) -> None:
+    """An original context of 64 and 100 tokens: the file carries what llama.cpp's converter writes
+    for longrope (rope_factors_long/short as F32 tensors of the config's factors, rope.scaling.attn_factor
+    and original_context_length, context_length the extended one); llama.cpp with a 128-token context
+    (past the original) takes the long factors, as transformers and we do for a forward past it, and
+    its top-1 on 100 positions is ours."""
+    from tests.model.test_phi3 import SHORT_CONTEXT
+
+    path = make_tiny_phi3(tmp_path / "phi3", longrope=True, original=SHORT_CONTEXT)
+    out = tmp_path / "phi3.gguf"
+    convert_to_gguf(path, out, "F16")
+    reader = gguf.GGUFReader(str(out))
+    tensors = {t.name: t for t in reader.tensors}
+    with open_model(path) as src:
+        scaling = src.arch.rope_scaling
+        factor = attention_factor(src.arch)
+    for name, key in (("rope_factors_long.weight", "long_factor"), ("rope_factors_short.weight", "short_factor")):
+        assert tensors[name].tensor_type == gguf.GGMLQuantizationType.F32
+        assert np.array_equal(np.asarray(tensors[name].data), np.asarray(scaling[key], dtype=np.float32))
+    assert reader.fields["phi3.rope.scaling.original_context_length"].contents() == SHORT_CONTEXT
+    assert reader.fields["phi3.context_length"].contents() == 4 * SHORT_CONTEXT
+    assert reader.fields["phi3.rope.scaling.attn_factor"].contents() == pytest.approx(factor, rel=1e-6)
+    x = ids(100, seed=6)
+    with open_model(out) as src, torch.no_grad():
+        ours = Decoder.from_source(src)(x)[0]
+    assert_same_top1(ours, llama_cpp_logits(out, x[0].tolist(), n_ctx=128), "phi3 longrope past the original context")

@@ -50,15 +50,17 @@ def _phi3_tokenizer(directory: Path):  # noqa: ANN202 - a tokenizers.Tokenizer
     return tok
 
 
-def make_tiny_phi3(directory: Path, longrope: bool = False, layers: int = 2, heads: int = 8, seed: int = 0) -> Path:
-    """A random Phi-3 saved by transformers (fused qkv_proj / gate_up_proj), with a BPE tokenizer."""
+def make_tiny_phi3(directory: Path, longrope: bool = False, layers: int = 2, heads: int = 8, seed: int = 0,
+                   original: int = 4096) -> Path:
+    """A random Phi-3 saved by transformers (fused qkv_proj / gate_up_proj), with a BPE tokenizer;
+    `original` is the context before longrope's 4x extension."""
     directory.mkdir(parents=True, exist_ok=True)
     tok = _phi3_tokenizer(directory)
     hidden = heads * HEAD_DIM
     config = transformers.Phi3Config(
         hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 256 * 256, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=heads, vocab_size=tok.get_vocab_size(),
-        max_position_embeddings=4 * 4096 if longrope else 4096, original_max_position_embeddings=4096,
+        max_position_embeddings=4 * original if longrope else original, original_max_position_embeddings=original,
         rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=2047, tie_word_embeddings=False,
         bos_token_id=tok.token_to_id("<s>"), eos_token_id=tok.token_to_id("<|end|>"), pad_token_id=0, hidden_act="silu",
         rope_scaling=longrope_scaling() if longrope else None,
@@ -140,3 +142,54 @@ def test_greedy_generation_matches_transformers_under_longrope(tmp_path) -> None
         runtime = load_model(str(path), "float32", "cpu").model(ref)
         diff = (runtime - _reference(path)(ref).logits).abs().max().item()
     assert diff < 1e-4, diff
+
+
+SHORT_CONTEXT = 64  # a Phi-3-mini-128k-style config whose original context a test prompt passes
+
+
+def test_longrope_past_the_original_context_matches_transformers(tmp_path) -> None:
+    """100 tokens past an original context of 64: transformers takes the long factors for the whole
+    forward (and the attention factor of the 4x extension); so do we. Within the context, the short."""
+    path = make_tiny_phi3(tmp_path / "phi3", longrope=True, original=SHORT_CONTEXT)
+    ref = _reference(path)
+    with open_model(path) as src, torch.no_grad():
+        model = Decoder.from_source(src)
+        for n in (SHORT_CONTEXT, 100):
+            x = ids(n, seed=n)
+            diff = (model(x) - ref(x).logits).abs().max().item()
+            assert diff < 1e-4, (n, diff)
+        short, long = model.rotary(0, SHORT_CONTEXT, torch.float32), model.rotary(0, SHORT_CONTEXT, torch.float32, reach=100)
+        assert (short[0][1:] - long[0][1:]).abs().amax(-1).min() > 0  # the tables differ at every position but 0
+
+
+@pytest.mark.parametrize("prompt_len", [40, 80], ids=["crossed-while-decoding", "crossed-by-the-prompt"])
+def test_greedy_generation_past_the_original_context_matches_transformers(tmp_path, prompt_len: int) -> None:
+    """transformers picks the factors per forward (a prompt past the original context takes the long
+    ones for all its positions) and its Phi-3 generation recomputes the cache at the first step past
+    it, so every later token sees the whole sequence under the long factors. Our loop does the same,
+    also when the prompt runs in chunks (each chunk takes the whole prompt's table) and in the
+    fixed-shape decode step (each position's row from the table its step uses)."""
+    from llmopt.model.kv_cache import StaticKVCache
+    from llmopt.runtime.compiled import StaticDecodeStep
+    from llmopt.runtime.generate import Generator
+    from llmopt.runtime.speculative import PromptLookup
+
+    path = make_tiny_phi3(tmp_path / "phi3", longrope=True, original=SHORT_CONTEXT)
+    prompt = ids(prompt_len, seed=11)
+    ref = _reference(path).generate(prompt, max_new_tokens=40, min_new_tokens=40, do_sample=False)[0].tolist()
+    with open_model(path) as src:
+        model = Decoder.from_source(src)
+    ours = Generator(model, eos=set(), prefill_chunk=32).generate(prompt[0].tolist(), max_tokens=40, ignore_eos=True)
+    assert ours.token_ids == ref[prompt_len:]
+    lookup = Generator(model, eos=set(), drafter=PromptLookup(2), num_draft=4).generate(prompt[0].tolist(), max_tokens=40, ignore_eos=True)
+    assert lookup.token_ids == ours.token_ids  # speculative decoding keeps the plain loop's tokens over the switch
+    cache = StaticKVCache(model.arch, 128)
+    step = StaticDecodeStep(model, cache)
+    x = torch.tensor([ref])
+    with torch.no_grad():
+        model.hidden(x[:, :prompt_len], 0, cache)  # the prompt in one forward, as transformers runs it
+        for pos in range(prompt_len, len(ref) - 1):
+            if pos == SHORT_CONTEXT:  # the first step past the context: the keys again, long (as Generator does)
+                model.hidden(x[:, :pos], 0, cache, model.rotary(0, pos, torch.float32, reach=pos + 1))
+            got = step(x[0, pos:pos + 1], torch.tensor([pos]))
+            assert got.argmax().item() == ref[pos + 1], pos

@@ -150,3 +150,25 @@ def test_longrope_past_the_original_context_runs_in_llama_cpp_with_our_top1(tmp_
     with open_model(out) as src, torch.no_grad():
         ours = Decoder.from_source(src)(x)[0]
     assert_same_top1(ours, llama_cpp_logits(out, x[0].tolist(), n_ctx=128), "phi3 longrope past the original context")
+
+
+@pytest.mark.parametrize("longrope", [False, True], ids=["plain", "longrope"])
+def test_phi3_keys_are_those_llama_cpps_converter_writes(tmp_path, longrope: bool) -> None:
+    """Every phi3.* key of the file laid out as llama.cpp's converter lays it out (the original context
+    and the sliding window for every Phi-3; the attention factor under longrope) is in ours, with its
+    value; the window reads back."""
+    path = make_tiny_phi3(tmp_path / "phi3", longrope=longrope)
+    ref_gguf, ours = tmp_path / "ref.gguf", tmp_path / "ours.gguf"
+    write_reference_gguf(path, ref_gguf, "F16")
+    convert_to_gguf(path, ours, "F16")
+
+    def keys(file):  # noqa: ANN001, ANN202
+        fields = gguf.GGUFReader(str(file)).fields
+        return {k: f.contents() for k, f in fields.items() if k.startswith("phi3.")}
+
+    theirs, mine = keys(ref_gguf), keys(ours)
+    assert "phi3.rope.scaling.original_context_length" in theirs and "phi3.attention.sliding_window" in theirs
+    for key, value in theirs.items():
+        assert mine.get(key) == pytest.approx(value, rel=1e-6), key
+    with open_model(ours) as src:
+        assert src.arch.sliding_window == 2047

@@ -8,6 +8,7 @@ again. llama.cpp's "phi3" keeps the Q/K rows unpermuted."""
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from llmopt.model.families.base import Family, Fused
@@ -28,6 +29,27 @@ def _config_keys(arch: ArchSpec) -> dict[str, Any]:
     original = scaling.get("original_max_position_embeddings", arch.max_position_embeddings)
     return {"attention_bias": False, "original_max_position_embeddings": original,
             "sliding_window": arch.sliding_window, "partial_rotary_factor": 1.0}
+
+
+def _gguf_keys(arch: ArchSpec) -> dict[str, Any]:
+    """What llama.cpp's converter (Phi3MiniModel) writes for every Phi-3 beyond the shared keys: the
+    sliding window (0 for none) and the original context (longrope writes it with its factors)."""
+    from llmopt.model.rope import longrope_original_context, rope_kind
+
+    keys: dict[str, Any] = {"attention.sliding_window": int(arch.sliding_window or 0)}
+    if rope_kind(arch) != "longrope":
+        keys["rope.scaling.original_context_length"] = longrope_original_context(arch)
+    return keys
+
+
+def _adapt_gguf(arch: ArchSpec, meta: dict[str, Any]) -> ArchSpec:
+    """The sliding window back from the key `_gguf_keys` writes (0 or absent: none)."""
+    from llmopt.model.validate import integer
+
+    window = meta.get(f"{arch.family.gguf_arch}.attention.sliding_window")
+    if not window:
+        return arch
+    return replace(arch, sliding_window=integer(window, f"GGUF metadata {arch.family.gguf_arch}.attention.sliding_window"))
 
 
 def _block(arch: ArchSpec, layer: int) -> nn.Module:
@@ -68,4 +90,6 @@ PHI3 = Family(
     fused=(QKV, GATE_UP),
     hf_config_keys=_config_keys,
     make_block=_block,
+    gguf_keys=_gguf_keys,
+    adapt_gguf=_adapt_gguf,
 )

@@ -15,6 +15,14 @@ def test_recommend_gives_the_size_llama_cpp_writes_for_q4_k_m(tmp_path) -> None:
     assert_recommend_gives_llama_cpp_q4_k_m_size(make_tiny_gemma3(tmp_path / "g"), tmp_path, "gemma3")
 
 
+def test_recommend_sizes_the_language_model_of_a_multimodal_checkpoint(tmp_path) -> None:
+    """Gemma3ForConditionalGeneration (4B-style): the text model's Q4_K_M, to the byte llama.cpp writes;
+    the vision tower is not counted."""
+    from tests.model.test_gemma3_multimodal import make_tiny_gemma3_4b
+
+    assert_recommend_gives_llama_cpp_q4_k_m_size(make_tiny_gemma3_4b(tmp_path / "g"), tmp_path, "gemma3 multimodal")
+
+
 def test_gemma_3_1b_preset_counts_every_tensor() -> None:
     """google/gemma-3-1b-it's 999,885,952 parameters (1152 wide, 26 layers, head_dim 256, 4 heads and 1
     KV head, 6912-wide GeGLU, 262,144 tokens, tied): 26 x (1152·1024 q + 2·1152·256 k/v + 1024·1152 o +

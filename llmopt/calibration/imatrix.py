@@ -18,21 +18,29 @@ import torch
 from llmopt.calibration.capture import capture_inputs, embed
 from llmopt.errors import InputError
 from llmopt.model.decoder import Rotary, load_block
+from llmopt.model.families.base import num_experts
 from llmopt.model.source import ModelSource
 
 
 @dataclass
 class Imatrix:
-    sums: dict[str, torch.Tensor] = field(default_factory=dict)  # GGUF tensor name -> Σx² per input channel
-    counts: dict[str, int] = field(default_factory=dict)  # tokens seen per tensor
+    # GGUF tensor name -> Σx² per input channel; an expert stack (ffn_*_exps): [experts, channels], each
+    # expert's own (as llama-imatrix keeps them), with its counts a tensor [experts]
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    counts: dict[str, int | torch.Tensor] = field(default_factory=dict)  # tokens seen per tensor (per expert)
     datasets: list[str] = field(default_factory=list)
     chunk_count: int = 0
     chunk_size: int = 0
     path: Path | None = None  # the file it was read from
 
     def importance(self) -> dict[str, torch.Tensor]:
-        """Per tensor, mean x² per input channel (float32): the quantizer's importance weights."""
-        return {name: (s / max(self.counts[name], 1)).to(torch.float32) for name, s in self.sums.items()}
+        """Per tensor, mean x² per input channel (float32): the quantizer's importance weights; an
+        expert stack's [experts, channels], each expert's over the tokens routed to it."""
+        out = {}
+        for name, s in self.sums.items():
+            c = self.counts[name]
+            out[name] = (s / (c.clamp(min=1).unsqueeze(-1) if isinstance(c, torch.Tensor) else max(c, 1))).to(torch.float32)
+        return out
 
 
 # ---------------------------------------------------------------------------------------- compute
@@ -62,23 +70,31 @@ def compute_imatrix(source: ModelSource, chunks: torch.Tensor, *, device: torch.
     for layer in range(arch.num_layers):
         block = load_block(source, layer, device=device)
         sums: dict[str, torch.Tensor] = {}
-        counts: dict[str, int] = {}
+        counts: dict[str, int | torch.Tensor] = {}
 
-        def sink_for(name: str) -> Callable[[torch.Tensor], None]:
+        def sink_for(name: str, expert: int | None) -> Callable[[torch.Tensor], None]:
             def sink(x: torch.Tensor) -> None:
                 flat = x.reshape(-1, x.shape[-1]).to(torch.float64)
-                sums[name] = sums.get(name, 0) + (flat * flat).sum(dim=0)
-                counts[name] = counts.get(name, 0) + flat.shape[0]
+                if expert is None:
+                    sums[name] = sums.get(name, 0) + (flat * flat).sum(dim=0)
+                    counts[name] = counts.get(name, 0) + flat.shape[0]
+                    return
+                if name not in sums:  # one row per expert, each from the tokens routed to it
+                    sums[name] = torch.zeros(num_experts(arch), flat.shape[1], dtype=torch.float64, device=flat.device)
+                    counts[name] = torch.zeros(num_experts(arch), dtype=torch.int64)
+                sums[name][expert] += (flat * flat).sum(dim=0)
+                counts[name][expert] += flat.shape[0]
 
             return sink
 
         hooks, hooked = [], set()
         for suffix in family.linears:
-            name = family.hf_to_gguf_name(f"model.layers.{layer}.{suffix}.weight")
-            if name in hooked:  # the parts of one fused tensor (Phi-3's attn_qkv) read one input: count it once
+            hf_name = f"model.layers.{layer}.{suffix}.weight"
+            key = (family.hf_to_gguf_name(hf_name), family.expert_of(hf_name))
+            if key in hooked:  # the parts of one fused tensor (Phi-3's attn_qkv) read one input: count it once
                 continue
-            hooked.add(name)
-            hooks.append(capture_inputs(block.get_submodule(suffix), sink_for(name)))
+            hooked.add(key)
+            hooks.append(capture_inputs(block.get_submodule(suffix), sink_for(*key)))
         for h in hooks:
             h.__enter__()
         try:

@@ -37,9 +37,10 @@ def _write_gguf(imatrix: Imatrix, path: Path) -> None:
     w.add_array("imatrix.datasets", imatrix.datasets or ["unnamed"])  # llama.cpp requires the key
     w.add_uint32("imatrix.chunk_count", imatrix.chunk_count)
     w.add_uint32("imatrix.chunk_size", imatrix.chunk_size)
-    for name in sorted(imatrix.sums):
-        w.add_tensor(f"{name}.in_sum2", imatrix.sums[name].to(torch.float32).numpy().reshape(1, -1))
-        w.add_tensor(f"{name}.counts", np.array([[imatrix.counts[name]]], dtype=np.float32))
+    for name in sorted(imatrix.sums):  # one row per expert of a stack (llama-imatrix: [n_expert, ncols])
+        sums = imatrix.sums[name].to(torch.float32)
+        w.add_tensor(f"{name}.in_sum2", sums.reshape(-1, sums.shape[-1]).numpy())
+        w.add_tensor(f"{name}.counts", np.asarray(imatrix.counts[name], dtype=np.float32).reshape(-1, 1))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -49,6 +50,9 @@ def _write_gguf(imatrix: Imatrix, path: Path) -> None:
 def _write_dat(imatrix: Imatrix, path: Path) -> None:
     """Legacy format: per entry the mean x² times the number of chunks (llama-imatrix's `ncall`)."""
     size = max(imatrix.chunk_size, 1)
+    if any(isinstance(c, torch.Tensor) for c in imatrix.counts.values()):
+        raise OptionError("<legacy_dat> the legacy .dat format keeps one count per entry; a mixture-of-experts "
+                          "imatrix (a count per expert) is written in the GGUF format")
     with open(path, "wb") as f:
         f.write(struct.pack("<i", len(imatrix.sums)))
         for name in sorted(imatrix.sums):
@@ -99,15 +103,16 @@ def _read_gguf(path: Path) -> Imatrix:
             raise InputError(f"{path}: {base} has in_sum2 but no counts")
         if t.tensor_type.name != "F32" or counts.tensor_type.name != "F32":
             raise InputError(f"{path}: {base}: imatrix entries are F32, not {t.tensor_type.name}/{counts.tensor_type.name}")
-        if counts.data.size != 1:
-            raise InputError(f"{path}: {base} has {counts.data.size} experts; llmopt supports dense models")
+        experts = counts.data.size  # more than one: an expert stack, a row of sums and a count per expert
+        if np.asarray(t.data).size % experts:
+            raise InputError(f"{path}: {base} has {np.asarray(t.data).size} sums for {experts} experts")
         with np.errstate(invalid="ignore", over="ignore"):  # judged just below
-            sums = np.asarray(t.data, dtype=np.float64).reshape(-1)
-            count = float(np.asarray(counts.data).reshape(-1)[0])
-        if not np.isfinite(sums).all() or (sums < 0).any() or not (np.isfinite(count) and count >= 0):
+            sums = np.asarray(t.data, dtype=np.float64).reshape(experts, -1) if experts > 1 else np.asarray(t.data, dtype=np.float64).reshape(-1)
+            count = np.asarray(counts.data, dtype=np.float64).reshape(-1)
+        if not np.isfinite(sums).all() or (sums < 0).any() or not (np.isfinite(count).all() and (count >= 0).all()):
             raise InputError(f"{path}: {base}: sums of squares must be finite and non-negative")
         result.sums[base] = torch.from_numpy(sums.copy())
-        result.counts[base] = int(count)
+        result.counts[base] = torch.from_numpy(count.astype(np.int64)) if experts > 1 else int(count[0])
     if not result.sums:
         raise InputError(f"{path}: not an imatrix file (no <tensor>.in_sum2 entries)")
     return result

@@ -296,6 +296,10 @@ def _encode(source: ModelSource, planned: PlannedTensor, weight: torch.Tensor,
         return weight.to(torch.float16).contiguous().numpy()
     if kind == "BF16":
         return weight.to(torch.bfloat16).contiguous().view(torch.uint8).numpy()
+    if importance is not None and weight.dim() == 3 and weight.shape[0] > 1 and importance.numel() == weight.shape[0] * weight.shape[-1]:
+        # an expert stack: each expert quantized with its own row of the imatrix (as llama-quantize does)
+        rows = importance.reshape(weight.shape[0], -1)
+        return pack(QuantizedTensor.stack_rows([quantize(kind, w, i) for w, i in zip(weight, rows)]))
     if importance is not None and importance.numel() != weight.shape[-1]:
         raise InputError(f"imatrix entry for {planned.gguf_name} has {importance.numel()} values, "
                          f"the tensor has {weight.shape[-1]} columns")  # fmt: skip

@@ -232,6 +232,12 @@ class Family:
             return None
         return f"model.layers.{m.group(1)}.{self.experts.module}.*.{rest[1]}"
 
+    def expert_of(self, hf_name: str) -> int | None:
+        """The expert number of one expert's tensor ("...experts.3.w1.weight" -> 3), else None."""
+        if self.expert_stack(hf_name) is None:
+            return None
+        return int(hf_name.split(f".{self.experts.module}.", 1)[1].split(".", 1)[0])  # type: ignore[union-attr]
+
     def is_stack(self, hf_name: str) -> bool:
         return self.experts is not None and f".{self.experts.module}.*." in hf_name
 

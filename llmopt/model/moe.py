@@ -61,7 +61,12 @@ class SparseMoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         chosen, weights = self.route(x)
         out = torch.zeros_like(x)
-        for e, expert in enumerate(getattr(self, self.experts_name)):
+        experts = getattr(self, self.experts_name)
+        if torch.compiler.is_compiling():  # the fixed-shape decode step: no data-dependent shapes, so every
+            for e, expert in enumerate(experts):  # expert runs on every row, weighted 0 where not chosen
+                out = out + expert(x) * (weights * (chosen == e)).sum(-1, keepdim=True)
+            return out.reshape(shape)
+        for e, expert in enumerate(experts):
             rows, slot = (chosen == e).nonzero(as_tuple=True)
             if rows.numel() or self.every_expert:  # an expert no token chose does not run
                 out.index_add_(0, rows, expert(x[rows]) * weights[rows, slot, None])

@@ -24,3 +24,21 @@ def test_active_parameters_count_two_of_eight_experts(tmp_path) -> None:
     assert model["family"] == "mixtral" and model["experts"] == EXPERTS and model["experts_per_token"] == PER_TOKEN
     assert model["parameters"] == total
     assert model["active_parameters"] == total - experts + experts * PER_TOKEN // EXPERTS
+
+
+def test_recommend_gives_the_tensor_bytes_of_our_gptq_checkpoint(tmp_path) -> None:
+    """GPTQ 4-bit g128: one qweight/qzeros/scales/g_idx per expert linear, the router in float, byte
+    for byte what `quantize` writes."""
+    import math
+
+    from safetensors import safe_open
+
+    from llmopt.api import quantize
+
+    hf = make_tiny_mixtral(tmp_path / "mixtral")
+    quantize(hf, tmp_path / "gptq", method="rtn", bits=4, group_size=128)
+    itemsize = {"I32": 4, "F16": 2, "F32": 4}
+    with safe_open(str(tmp_path / "gptq" / "model.safetensors"), "pt") as f:
+        written = sum(math.prod(f.get_slice(k).get_shape()) * itemsize[f.get_slice(k).get_dtype()] for k in f.keys())
+    row = next(r for r in recommend(mem=8, model=str(hf))["rows"] if r.format == "GPTQ-4bit-g128")
+    assert row.weights_bytes == written

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from llmopt.model.arch import ArchSpec
-from llmopt.model.families.base import BIAS, EMBEDDING, EXPERT, LINEAR, NORM, OUTPUT, ROPE, ROUTER
+from llmopt.model.families.base import BIAS, EMBEDDING, EXPERT, LINEAR, NORM, OUTPUT, ROPE, ROUTER, experts_per_token, num_experts
 from llmopt.model.rope import gguf_only_tensors
 
 __all__ = ["BIAS", "EMBEDDING", "EXPERT", "LINEAR", "NORM", "OUTPUT", "ROPE", "ROUTER", "PlannedTensor", "PlannedTensors",
@@ -55,14 +55,6 @@ class PlannedTensors(list[PlannedTensor]):
 def linear_count(role: str, shape: tuple[int, ...]) -> int:
     """How many separate [out, in] matrices a tensor holds (experts are stored merged in GGUF)."""
     return shape[0] if role == EXPERT else 1
-
-
-def num_experts(arch: ArchSpec) -> int:
-    return int(arch.extra.get("num_experts", 0))
-
-
-def experts_per_token(arch: ArchSpec) -> int:
-    return int(arch.extra.get("experts_per_token", 0))
 
 
 def arch_tensors(arch: ArchSpec) -> PlannedTensors:

@@ -401,6 +401,11 @@ def num_experts(arch: ArchSpec) -> int:
     return int(arch.extra.get("num_experts", 0))
 
 
+def experts_per_token(arch: ArchSpec) -> int:
+    """How many experts each token is routed to (0: a dense model)."""
+    return int(arch.extra.get("experts_per_token", 0))
+
+
 def permute_for_gguf(t: torch.Tensor, n_heads: int) -> torch.Tensor:
     """HF rows (halves of each head: [re..., im...]) -> llama.cpp rows (pairs: re, im, re, im)."""
     rows = t.shape[0]

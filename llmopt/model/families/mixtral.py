@@ -16,7 +16,7 @@ import functools
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from llmopt.model.families.base import LLAMA_STAGES, Experts, Family, num_experts
+from llmopt.model.families.base import LLAMA_STAGES, Experts, Family, experts_per_token, num_experts
 from llmopt.model.validate import integer
 
 if TYPE_CHECKING:
@@ -27,10 +27,6 @@ if TYPE_CHECKING:
 EXPERTS = Experts(router="block_sparse_moe.gate", module="block_sparse_moe.experts", gate="w1", up="w3", down="w2")
 # MixtralConfig's defaults when a config.json leaves them out (Mixtral-8x7B's values)
 DEFAULT_EXPERTS, DEFAULT_PER_TOKEN = 8, 2
-
-
-def experts_per_token(arch: ArchSpec) -> int:
-    return int(arch.extra.get("experts_per_token", 0))
 
 
 def _with_experts(arch: ArchSpec, count: Any, used: Any, where: str) -> ArchSpec:

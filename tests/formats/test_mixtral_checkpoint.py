@@ -85,6 +85,7 @@ def test_experts_without_routed_tokens_fall_back_to_rtn(mixtral, tmp_path, caplo
             assert same == (n == 0), (module, n)
 
 
+@pytest.mark.slow  # ~9 s: two conversions and a GPTQ pass
 def test_gptq_onto_the_q4_k_m_grids_runs_in_llama_cpp(mixtral, tmp_path) -> None:
     """`convert --to gguf --method gptq`: each expert rounded by GPTQ onto its stack's type, the stacks
     packed from those codes; the file has Q4_K_M's types and llama.cpp's top-1 is ours."""

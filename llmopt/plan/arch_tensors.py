@@ -9,7 +9,7 @@ GGUF-only ones; tests check it against the tensors of real files.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -44,12 +44,12 @@ class PlannedTensors(list[PlannedTensor]):
     directory bytes, llama.cpp's tensor classes), so `once` computes each of them a single time;
     the list is never changed after it is built."""
 
-    def once(self, compute: Callable[[PlannedTensors], T]) -> T:
-        """compute(self), remembered for this list."""
+    def once(self, compute: Callable[..., T], *args: Hashable) -> T:
+        """compute(self, *args), remembered for this list."""
         memo = self.__dict__.setdefault("_memo", {})
-        if compute not in memo:
-            memo[compute] = compute(self)
-        return memo[compute]
+        if (compute, args) not in memo:
+            memo[compute, args] = compute(self, *args)
+        return memo[compute, args]
 
 
 def linear_count(role: str, shape: tuple[int, ...]) -> int:

@@ -78,7 +78,7 @@ def gguf_tensor_types(arch: ArchSpec, tensors: PlannedTensors, mix: str) -> dict
 def gguf_weight_size(arch: ArchSpec, tensors: PlannedTensors, fmt: WeightFormat) -> WeightSize:
     """Sized per llama.cpp tensor class (see `ShapeClasses`), which is what makes `recommend` fast;
     `gguf_tensor_types` is the same plan tensor by tensor."""
-    classes, members = tensors.once(_gguf_classes)
+    classes, members = tensors.once(_gguf_classes, arch.num_layers)
     types = class_types(classes, fmt.mix or fmt.name, arch)
     size = WeightSize(fmt, 0, 0, parameter_count(tensors))
     typed: Counter[tuple[str, str, tuple[int, ...]]] = Counter()
@@ -90,9 +90,9 @@ def gguf_weight_size(arch: ArchSpec, tensors: PlannedTensors, fmt: WeightFormat)
     return size
 
 
-def _gguf_classes(tensors: PlannedTensors) -> tuple[ShapeClasses, Counter[tuple[int, str, tuple[int, ...]]]]:
+def _gguf_classes(tensors: PlannedTensors, n_layers: int) -> tuple[ShapeClasses, Counter[tuple[int, str, tuple[int, ...]]]]:
     """The model's llama.cpp tensor classes, and how many tensors of each (class, role, shape) it has."""
-    classes = shape_classes(tuple(t.gguf_name for t in tensors), tuple(t.shape for t in tensors))
+    classes = shape_classes(tuple(t.gguf_name for t in tensors), tuple(t.shape for t in tensors), n_layers)
     return classes, Counter((c, t.role, t.shape) for c, t in zip(classes.class_of, tensors))
 
 
@@ -120,12 +120,17 @@ def awq_linear_bytes(out_features: int, in_features: int, bits: int, group_size:
     }
 
 
+def _checkpoint_role_shapes(tensors: PlannedTensors) -> Counter[tuple[str, tuple[int, ...]]]:
+    """How many tensors of each (role, shape) an HF checkpoint holds (no GGUF-only tensors)."""
+    return Counter((t.role, t.shape) for t in tensors if t.hf_name is not None)
+
+
 def packed_weight_size(tensors: PlannedTensors, fmt: WeightFormat) -> WeightSize:
     assert fmt.bits is not None and fmt.group_size is not None
     linear_bytes = gptq_linear_bytes if fmt.kind == "gptq" else awq_linear_bytes
     size = WeightSize(fmt, 0, 0, parameter_count(tensors))
     # GGUF-only tensors do not exist in HF checkpoints; the rest are sized once per (role, shape).
-    for (role, shape), n in Counter((t.role, t.shape) for t in tensors if t.hf_name is not None).items():
+    for (role, shape), n in tensors.once(_checkpoint_role_shapes).items():
         if role in (LINEAR, EXPERT):
             nbytes = linear_count(role, shape) * sum(linear_bytes(shape[-2], shape[-1], fmt.bits, fmt.group_size).values())
             _add(size, role, f"int{fmt.bits}+fp16 scales", n * nbytes)

@@ -6,10 +6,10 @@ from collections import Counter
 import pytest
 import torch
 
-from llmopt.formats.gguf.mixes import plan_shapes
+from llmopt.formats.gguf.mixes import MIXES, plan_shapes
 from llmopt.formats.gguf.types import tensor_nbytes
 from llmopt.plan.arch_tensors import PlannedTensors, arch_tensors
-from llmopt.plan.presets import get_preset
+from llmopt.plan.presets import PRESETS, get_preset
 from llmopt.plan.weights import awq_format, gguf_format, gguf_tensor_types, gptq_format, weight_size
 
 
@@ -57,19 +57,20 @@ def test_gguf_bytes_are_the_sum_of_each_tensors_planned_type():
     assert types["blk.0.attn_norm.weight"] == "F32"
 
 
-@pytest.mark.parametrize("preset", ["llama-3.1-405b", "mixtral-8x7b", "qwen2.5-0.5b"])
-@pytest.mark.parametrize("mix", ["Q4_K_M", "Q3_K_M", "Q2_K", "IQ4_XS", "F16"])
-def test_sizing_by_tensor_class_equals_sizing_tensor_by_tensor(preset, mix):
-    # recommend sizes llama.cpp's tensor classes once each; the rules applied tensor by tensor in
-    # loader order (the path an override takes: one that matches nothing) must give the same bytes
+@pytest.mark.parametrize("preset", PRESETS)  # every layer count a preset has (30 to 126, 80 with the 70B bump)
+def test_sizing_by_tensor_class_equals_sizing_tensor_by_tensor(preset):
+    # recommend sizes llama.cpp's tensor classes once each (layers grouped by `layer_signature`);
+    # the rules applied tensor by tensor with the real counters, in loader order (the path an
+    # override takes: one that matches nothing), must give the same types and bytes under every mix
     arch = get_preset(preset).arch
     tensors = arch_tensors(arch)
-    size = weight_size(arch, tensors, gguf_format(mix))
-    types = plan_shapes({t.gguf_name: t.shape for t in tensors}, mix, arch, overrides=[("^never$", "F16")])
-    types.update({t.gguf_name: "F32" for t in tensors if t.role == "router"})
-    assert types == gguf_tensor_types(arch, tensors, mix)
-    assert size.type_counts == Counter((types[t.gguf_name], t.shape) for t in tensors)
-    assert size.total_bytes == sum(tensor_nbytes(types[t.gguf_name], t.shape) for t in tensors)
+    for mix in MIXES:
+        size = weight_size(arch, tensors, gguf_format(mix))
+        types = plan_shapes({t.gguf_name: t.shape for t in tensors}, mix, arch, overrides=[("^never$", "F16")])
+        types.update({t.gguf_name: "F32" for t in tensors if t.role == "router"})
+        assert types == gguf_tensor_types(arch, tensors, mix), mix
+        assert size.type_counts == Counter((types[t.gguf_name], t.shape) for t in tensors), mix
+        assert size.total_bytes == sum(tensor_nbytes(types[t.gguf_name], t.shape) for t in tensors), mix
 
 
 def test_q4_k_m_on_llama31_8b_is_4_89_bits_per_weight():

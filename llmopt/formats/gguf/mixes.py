@@ -82,6 +82,15 @@ def use_more_bits(i_layer: int, n_layers: int) -> bool:
     return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or _c_mod(i_layer - n_layers // 8, 3) == 2
 
 
+def layer_signature(i_layer: int, n_layers: int) -> tuple[bool, ...]:
+    """Every test of the layer index that `_mix_rules` makes (keep the two in step): layers with the
+    same signature get the same type under every mix, which is what lets `ShapeClasses` size an
+    80-layer model's counted tensors as a handful of classes."""
+    eighth = n_layers // 8
+    return (i_layer < 2, i_layer < 4, i_layer < n_layers // 16, i_layer < eighth, i_layer >= 7 * n_layers // 8,
+            _c_mod(i_layer - eighth, 3) == 2)  # fmt: skip
+
+
 def _c_mod(a: int, b: int) -> int:
     """C's % (truncates toward zero), which differs from Python's for negative a."""
     return a - b * int(a / b)
@@ -127,7 +136,8 @@ def requires_imatrix(gguf_name: str, type_name: str) -> bool:
 def _mix_rules(cat: str, new_type: str, mix: str, arch: ArchSpec, row_length: int, i_layer: int, n_layer: int,
                tied: bool, has_imatrix: bool, output_tensor_type: str | None, stacked: bool = False) -> str:  # fmt: skip
     """llama_tensor_get_type_impl restricted to the mixes in MIXES and the families llmopt
-    reads: dense decoders and Mixtral's experts (`stacked`: a 3-D expert stack; llama.cpp's n_expert rules)."""
+    reads: dense decoders and Mixtral's experts (`stacked`: a 3-D expert stack; llama.cpp's n_expert rules).
+    Each test of `i_layer` here must be one of `layer_signature`'s."""
     if cat == "output" or (tied and cat == "token_embd"):
         if output_tensor_type is not None:
             return output_tensor_type
@@ -318,7 +328,7 @@ def plan_shapes(
     output_tensor_type: str | None = None,
 ) -> dict[str, str]:
     """`tensor_type` for every (gguf name -> HF shape), with llama.cpp's running counters."""
-    classes = shape_classes(tuple(shapes), tuple(tuple(s) for s in shapes.values()))
+    classes = shape_classes(tuple(shapes), tuple(tuple(s) for s in shapes.values()), arch.num_layers)
     if not overrides:
         types = class_types(classes, mix, arch, has_imatrix=has_imatrix, output_tensor_type=output_tensor_type)
         return {name: types[c] for name, c in zip(shapes, classes.class_of)}
@@ -342,31 +352,37 @@ class ShapeClasses:
     """What llama.cpp's rules see of a model's tensors, worked out once per model.
 
     Without overrides a tensor's type depends on its name only through its category and running
-    counter, so tensors that share (category, quantizable, shape, counter) share a type under every
-    mix: a 405B preset's ~1,100 tensors fall into a few hundred classes, and `recommend` sizes
-    each class once per candidate format instead of each tensor.
+    counter, and on the counter only through `layer_signature`, so tensors that share (category,
+    quantizable, shape, signature) share a type under every mix: a 405B preset's ~1,100 tensors
+    fall into a few dozen classes, and `recommend` sizes each class once per candidate format
+    instead of each tensor.
     """
 
     rows: tuple[tuple, ...]  # (name, shape, category, quantizable, counter kind) in loader order
-    members: tuple[tuple, ...]  # per class: (a member's name, shape, category, quantizable, counter)
+    members: tuple[tuple, ...]  # per class: (its first member's name, shape, category, quantizable, counter)
     class_of: tuple[int, ...]  # each tensor's class, in the order the shapes were given
     tied: bool  # no output.weight: the token embedding is also the output
 
 
 @functools.lru_cache(maxsize=64)
-def shape_classes(names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> ShapeClasses:
-    """The `ShapeClasses` of the tensors `names` with HF-orientation `shapes` (remembered per model)."""
+def shape_classes(names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...], n_layers: int) -> ShapeClasses:
+    """The `ShapeClasses` of the tensors `names` with HF-orientation `shapes` in a model of
+    `n_layers` layers (remembered per model)."""
     by_name = dict(zip(names, shapes))
     rows, counters, index, members, class_by_name = [], dict.fromkeys(COUNTED_KINDS, 0), {}, [], {}
+    kinds: dict[str, tuple[str, str]] = {}  # category and counter kind, by the name past "blk.N."
     for name in llama_order(names):
-        cat = category(name)
-        kind = "attn_v" if cat in ("attn_v", "attn_qkv", "attn_kv_b") else cat
+        suffix = name.split(".", 2)[-1] if name.startswith("blk.") else name
+        if suffix not in kinds:
+            cat = category(name)
+            kinds[suffix] = cat, "attn_v" if cat in ("attn_v", "attn_qkv", "attn_kv_b") else cat
+        cat, kind = kinds[suffix]
         shape, allowed = by_name[name], allows_quantization(name, by_name[name])
         rows.append((name, shape, cat, allowed, kind))
         counter = counters.get(kind)
         if counter is not None and allowed:  # the counter only matters (and only runs) for quantized defaults
             counters[kind] += 1
-        key = (cat, allowed, shape, counter)
+        key = (cat, allowed, shape, None if counter is None else layer_signature(counter, n_layers))
         if key not in index:
             index[key] = len(members)
             members.append((name, shape, cat, allowed, counter))

@@ -23,8 +23,8 @@ from rich.markup import escape
 from llmopt.errors import LlmoptError, OptionError
 
 # The command table: each command's module and function (or sub-app), in --help order. A command
-# line imports only the command it names (every command for --help), so `llmopt recommend` does not
-# pay for importing `bench` or `quantize`.
+# line imports only the command it names (every command for --help, none for --version), so
+# `llmopt recommend` does not pay for importing `bench` or `quantize`.
 COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("llmopt.cli.inspect", "inspect_command"),
     "convert": ("llmopt.cli.convert", "convert_command"),
@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     verbose = any(a in ("-v", "-vv", "--verbose") for a in argv)
     try:
         name = command_named(argv)
-        app = build_app([name] if name in COMMANDS else COMMANDS)
+        version_only = "--version" in argv and not {"-h", "--help"} & set(argv)
+        app = build_app([name] if name in COMMANDS else () if version_only else COMMANDS)
         rv = app(args=argv, prog_name="llmopt", standalone_mode=False)
     except typer.Abort:
         err.print("aborted")

@@ -2,9 +2,10 @@
 
 Each token's router scores pick its top k experts (softmax over all experts, then, for Mixtral, the
 k weights renormalised to sum to 1, as transformers and llama.cpp do); each expert is a gated MLP
-run only on the tokens routed to it, and the outputs are summed with the routing weights. Module
-names follow the HF files (`block_sparse_moe.gate`, `block_sparse_moe.experts.3.w1`), so weights
-load by name and the quantization pipeline's hooks see each expert's own tokens.
+run only on the tokens routed to it, and the outputs are summed with the routing weights. A shared
+expert (Qwen2-MoE) runs on every token, scaled by a sigmoid gate, and is added last. Module names
+follow the HF files (`block_sparse_moe.gate`, `block_sparse_moe.experts.3.w1`, `mlp.shared_expert`),
+so weights load by name and the quantization pipeline's hooks see each expert's own tokens.
 """
 
 from __future__ import annotations
@@ -14,15 +15,15 @@ from torch import nn
 
 from llmopt.model.arch import ArchSpec
 from llmopt.model.decoder import ACTIVATIONS, DecoderBlock, KVCache, Position
-from llmopt.model.families.base import Experts, num_experts
+from llmopt.model.families.base import Experts, expert_ffn, num_experts, shared_expert_ffn
 
 
 class Expert(nn.Module):
     """One expert: a gated MLP whose linears carry the family's names (Mixtral's w1, w3, w2)."""
 
-    def __init__(self, arch: ArchSpec, spec: Experts):
+    def __init__(self, arch: ArchSpec, spec: Experts, width: int):
         super().__init__()
-        h, f = arch.hidden_size, arch.intermediate_size
+        h, f = arch.hidden_size, width
         self.names = (spec.gate, spec.up, spec.down)
         for name, shape in zip(self.names, ((h, f), (h, f), (f, h))):
             setattr(self, name, nn.Linear(*shape, bias=False))
@@ -41,9 +42,14 @@ class SparseMoE(nn.Module):
         prefix = spec.router.rpartition(".")[0] + "."
         self.router_name, self.experts_name = spec.router.removeprefix(prefix), spec.module.removeprefix(prefix)
         setattr(self, self.router_name, nn.Linear(arch.hidden_size, num_experts(arch), bias=False))
-        setattr(self, self.experts_name, nn.ModuleList(Expert(arch, spec) for _ in range(num_experts(arch))))
+        setattr(self, self.experts_name, nn.ModuleList(Expert(arch, spec, expert_ffn(arch)) for _ in range(num_experts(arch))))
+        self.shared_name = self.shared_gate_name = None
+        if spec.shared:  # Qwen2-MoE: an expert every token runs, and its one-output gate
+            self.shared_name, self.shared_gate_name = spec.shared.removeprefix(prefix), spec.shared_gate.removeprefix(prefix)  # type: ignore[union-attr]
+            setattr(self, self.shared_name, Expert(arch, spec, shared_expert_ffn(arch)))
+            setattr(self, self.shared_gate_name, nn.Linear(arch.hidden_size, 1, bias=False))
         self.top_k = int(arch.extra["experts_per_token"])
-        self.renormalize = spec.renormalize
+        self.renormalize = bool(arch.extra.get("renormalize", spec.renormalize))  # Qwen2-MoE's config says (norm_topk_prob)
         # run experts no token chose too (on no rows): a block loaded for calibration (`load_block`), so
         # every chunk's forward reaches every expert's stage of the stage table, in order
         self.every_expert = False
@@ -65,11 +71,14 @@ class SparseMoE(nn.Module):
         if torch.compiler.is_compiling():  # the fixed-shape decode step: no data-dependent shapes, so every
             for e, expert in enumerate(experts):  # expert runs on every row, weighted 0 where not chosen
                 out = out + expert(x) * (weights * (chosen == e)).sum(-1, keepdim=True)
-            return out.reshape(shape)
-        for e, expert in enumerate(experts):
-            rows, slot = (chosen == e).nonzero(as_tuple=True)
-            if rows.numel() or self.every_expert:  # an expert no token chose does not run
-                out.index_add_(0, rows, expert(x[rows]) * weights[rows, slot, None])
+        else:
+            for e, expert in enumerate(experts):
+                rows, slot = (chosen == e).nonzero(as_tuple=True)
+                if rows.numel() or self.every_expert:  # an expert no token chose does not run
+                    out.index_add_(0, rows, expert(x[rows]) * weights[rows, slot, None])
+        if self.shared_name is not None:  # after the routed experts, as transformers adds it
+            gate = torch.sigmoid(getattr(self, self.shared_gate_name)(x))
+            out = out + gate * getattr(self, self.shared_name)(x)
         return out.reshape(shape)
 
 

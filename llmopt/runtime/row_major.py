@@ -96,11 +96,12 @@ def use_row_major_linears(model: Decoder, width: int = CHUNK_WIDTH) -> Decoder:
     tied = model.lm_head.weight is model.embed_tokens.weight or (
         model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr())
     for block in model.layers:
-        attn, mlp = block.self_attn, getattr(block, "mlp", None)  # a MoE block has experts instead (each swapped below)
+        attn, mlp = block.self_attn, getattr(block, "mlp", None)  # a MoE block has experts instead (each swapped
+        # below), under its own name or, in Qwen2-MoE, as "mlp": only a dense MLP has a fused gate/up
         if all(isinstance(m, nn.Linear) for m in (attn.q_proj, attn.k_proj, attn.v_proj)):
             attn.qkv = RowMajorLinear.stacked([attn.q_proj, attn.k_proj, attn.v_proj], width)
             del attn.q_proj, attn.k_proj, attn.v_proj
-        if mlp is not None and all(isinstance(m, nn.Linear) for m in (mlp.gate_proj, mlp.up_proj)):
+        if hasattr(mlp, "gate_up") and all(isinstance(m, nn.Linear) for m in (mlp.gate_proj, mlp.up_proj)):
             mlp.gate_up = RowMajorLinear.stacked([mlp.gate_proj, mlp.up_proj], width)
             del mlp.gate_proj, mlp.up_proj
     for name, module in list(model.named_modules()):

@@ -8,9 +8,10 @@ from llmopt.model.families.mistral import MISTRAL
 from llmopt.model.families.mixtral import MIXTRAL
 from llmopt.model.families.phi3 import PHI3
 from llmopt.model.families.qwen2 import QWEN2
+from llmopt.model.families.qwen2moe import QWEN2MOE
 from llmopt.model.families.qwen3 import QWEN3
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA3, MIXTRAL)
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA3, MIXTRAL, QWEN2MOE)
 
 
 def supported_architectures() -> str:
@@ -42,4 +43,4 @@ def family_for_gguf(gguf_arch: str, experts: bool = False) -> Family:
     raise InputError(f"unsupported GGUF architecture {gguf_arch!r}; supported: {', '.join(gguf_names)}")
 
 
-__all__ = ["FAMILIES", "GEMMA3", "LLAMA", "MISTRAL", "MIXTRAL", "PHI3", "QWEN2", "QWEN3", "Family", "family_for_gguf", "family_for_hf", "supported_architectures"]
+__all__ = ["FAMILIES", "GEMMA3", "LLAMA", "MISTRAL", "MIXTRAL", "PHI3", "QWEN2", "QWEN2MOE", "QWEN3", "Family", "family_for_gguf", "family_for_hf", "supported_architectures"]

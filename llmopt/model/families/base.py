@@ -60,7 +60,12 @@ class Experts:
     gate: str  # expert-relative names of the gated MLP's linears (Mixtral: w1, w3, w2)
     up: str
     down: str
-    renormalize: bool = True  # the top-k routing weights are divided by their sum (Mixtral)
+    renormalize: bool = True  # the top-k routing weights are divided by their sum (Mixtral; a config may say)
+    # an expert every token runs besides its routed ones (Qwen2-MoE's "mlp.shared_expert", a gated MLP with
+    # the experts' linear names, GGUF ffn_*_shexp), its output scaled by sigmoid(shared_gate(x)), a linear
+    # with one output (GGUF ffn_gate_inp_shexp)
+    shared: str | None = None
+    shared_gate: str | None = None
 
     def linears(self) -> tuple[tuple[str, str], ...]:
         """(expert-relative linear, llama.cpp's name of its stack) in forward order."""
@@ -68,18 +73,21 @@ class Experts:
 
     def stages(self, count: int) -> tuple[Stage, ...]:
         """Each expert's two stages, experts in order (the order `SparseMoE` runs them): gate and up read
-        the tokens routed to the expert (from the post-attention norm), down reads up's product."""
+        the tokens routed to the expert (from the post-attention norm), down reads up's product; then the
+        shared expert's two, which read every token."""
         out = []
-        for e in range(count):
-            expert = f"{self.module}.{e}"
+        for expert in [f"{self.module}.{e}" for e in range(count)] + ([self.shared] if self.shared else []):
             out += [Stage((f"{expert}.{self.gate}", f"{expert}.{self.up}"), "post_attention_layernorm", expert),
                     Stage((f"{expert}.{self.down}",), f"{expert}.{self.up}", f"{expert}.{self.down}")]
         return tuple(out)
 
     def stacks(self) -> dict[str, str]:
-        """Block-relative HF suffix -> GGUF suffix of the router and each stacked kind."""
+        """Block-relative HF suffix -> GGUF suffix of the router, each stacked kind and the shared expert's tensors."""
         out = {f"{self.router}.weight": "ffn_gate_inp.weight"}
         out.update({f"{self.module}.*.{name}.weight": f"{gguf}.weight" for name, gguf in self.linears()})
+        if self.shared:
+            out.update({f"{self.shared}.{name}.weight": f"{gguf.removesuffix('_exps')}_shexp.weight" for name, gguf in self.linears()})
+            out[f"{self.shared_gate}.weight"] = "ffn_gate_inp_shexp.weight"
         return out
 
 
@@ -372,9 +380,13 @@ class Family:
             block += [("mlp.gate_proj.weight", (f, h), LINEAR), ("mlp.up_proj.weight", (f, h), LINEAR),
                       ("mlp.down_proj.weight", (h, f), LINEAR)]  # fmt: skip
         else:  # a router and the experts' gate/up/down, each kind one [experts, rows, cols] stack in GGUF
-            e, stack = num_experts(arch), f"{moe.module}.*."
+            e, stack, f = num_experts(arch), f"{moe.module}.*.", expert_ffn(arch)
             block += [(f"{moe.router}.weight", (e, h), ROUTER), (f"{stack}{moe.gate}.weight", (e, f, h), EXPERT),
                       (f"{stack}{moe.up}.weight", (e, f, h), EXPERT), (f"{stack}{moe.down}.weight", (e, h, f), EXPERT)]  # fmt: skip
+            if moe.shared:  # the shared expert (plain linears) and its one-output gate, kept in float as the router
+                s = shared_expert_ffn(arch)
+                block += [(f"{moe.shared}.{moe.gate}.weight", (s, h), LINEAR), (f"{moe.shared}.{moe.up}.weight", (s, h), LINEAR),
+                          (f"{moe.shared}.{moe.down}.weight", (h, s), LINEAR), (f"{moe.shared_gate}.weight", (1, h), ROUTER)]  # fmt: skip
         for f in self.fused:  # one stored linear in place of its parts, rows stacked
             first = next(i for i, b in enumerate(block) if b[0] == f"{f.parts[0]}.weight")
             parts = [b for b in block if b[0].removesuffix(".weight") in f.parts]
@@ -392,7 +404,8 @@ def linear_rows(arch: ArchSpec) -> dict[str, int]:
             "mlp.gate_proj": f, "mlp.up_proj": f, "mlp.down_proj": arch.hidden_size}
     moe = arch.family.experts
     if moe is not None:
-        rows.update({f"{moe.module}.*.{moe.gate}": f, f"{moe.module}.*.{moe.up}": f, f"{moe.module}.*.{moe.down}": arch.hidden_size})
+        e = expert_ffn(arch)
+        rows.update({f"{moe.module}.*.{moe.gate}": e, f"{moe.module}.*.{moe.up}": e, f"{moe.module}.*.{moe.down}": arch.hidden_size})
     return rows
 
 
@@ -404,6 +417,17 @@ def num_experts(arch: ArchSpec) -> int:
 def experts_per_token(arch: ArchSpec) -> int:
     """How many experts each token is routed to (0: a dense model)."""
     return int(arch.extra.get("experts_per_token", 0))
+
+
+def expert_ffn(arch: ArchSpec) -> int:
+    """Each routed expert's intermediate width: Qwen2-MoE's `moe_intermediate_size`, else the config's
+    `intermediate_size` (Mixtral)."""
+    return int(arch.extra.get("expert_ffn", arch.intermediate_size))
+
+
+def shared_expert_ffn(arch: ArchSpec) -> int:
+    """The shared expert's intermediate width (Qwen2-MoE's `shared_expert_intermediate_size`)."""
+    return int(arch.extra.get("shared_expert_ffn", arch.intermediate_size))
 
 
 def permute_for_gguf(t: torch.Tensor, n_heads: int) -> torch.Tensor:

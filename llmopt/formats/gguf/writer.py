@@ -31,7 +31,7 @@ import llmopt
 from llmopt.errors import InputError
 from llmopt.formats.atomic import AtomicFile
 from llmopt.formats.gguf.blocks import pack
-from llmopt.formats.gguf.mixes import check_mix, file_type, gguf_shapes, plan_shapes
+from llmopt.formats.gguf.mixes import check_mix, file_type, gguf_shapes, plan_shapes, requires_imatrix
 from llmopt.formats.gguf.types import aligned, ggml_type, tensor_nbytes
 from llmopt.formats.gguf.vocab import vocab_metadata
 from llmopt.model.arch import ArchSpec
@@ -39,6 +39,7 @@ from llmopt.model.families.base import permute_for_gguf
 from llmopt.model.rope import attention_factor, gguf_only_values, longrope_original_context, rope_kind
 from llmopt.model.source import ModelSource
 from llmopt.quant.grids import GRIDS, Grid, quantize
+from llmopt.quant.grids.iq_lattice import imatrix_required
 from llmopt.quant.grids.layout import single_threaded_ops
 from llmopt.quant.pipeline import BlockResult
 from llmopt.quantized_tensor import QuantizedTensor
@@ -150,6 +151,7 @@ class GGUFWriter:
                  force: bool = True, on_tensor: Callable[[PlannedTensor, float], None] | None = None):  # fmt: skip
         self.source, self.plan, self.importance, self.on_tensor = source, plan, importance, on_tensor
         self.computed = set(computed)
+        _check_importance(plan, importance, self.computed)
         self.held: dict[str, QuantizedTensor] = {}
         self.updated: dict[str, torch.Tensor] = {}
         self.layers_added: set[int] = set()
@@ -227,6 +229,15 @@ class GGUFWriter:
         if self.path is None:  # failed, or left without finish(): nothing under the final name
             self.file.close()
             self.out.discard()
+
+
+def _check_importance(plan: GgufPlan, importance: Mapping[str, torch.Tensor] | None, computed: set[str]) -> None:
+    """llama-quantize's refusal, made before a byte is written: a very-low-bit i-quant tensor that
+    we round here (not one a calibrated method computed) needs its own importance-matrix entry."""
+    for t in plan.tensors:
+        if (requires_imatrix(t.gguf_name, t.type_name) and (importance is None or t.gguf_name not in importance)
+                and not any(m in computed for m in _modules(t))):  # fmt: skip
+            raise imatrix_required(t.type_name, t.gguf_name)
 
 
 def _modules(planned: PlannedTensor) -> list[str]:

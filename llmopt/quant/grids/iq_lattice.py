@@ -54,8 +54,9 @@ IQ3_S_LATTICE = Lattice(IQ3_S_KGRID, dims=4, bits=3, nwant=3, levels=IQ3_S_LEVEL
 IQ2_S_LATTICE = Lattice(IQ2_S_KGRID, dims=8, bits=2, nwant=1, levels=IQ2_LEVELS)
 
 
-def imatrix_required(type_name: str) -> InputError:
-    return InputError(f"{type_name} needs an importance matrix (--imatrix): llama.cpp refuses to quantize it without one")
+def imatrix_required(type_name: str, tensor: str | None = None) -> InputError:
+    where = f" for {tensor}" if tensor else ""
+    return InputError(f"{type_name} needs an importance matrix{where} (--imatrix): llama.cpp refuses to quantize it without one")
 
 
 def sign_bits(x: torch.Tensor, weight: torch.Tensor, parity: bool) -> tuple[torch.Tensor, torch.Tensor]:

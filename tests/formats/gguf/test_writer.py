@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import gguf
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from llmopt.calibration.imatrix import Imatrix
-from llmopt.formats.gguf.mixes import MIXES
+from llmopt.formats.gguf.mixes import MIXES, requires_imatrix
 from llmopt.formats.gguf.writer import plan_gguf, write_gguf
 from llmopt.model import open_model
 from tests.formats.gguf.llama_cpp_helpers import gguf_types, llama_dry_run_types, llama_quantize
@@ -202,11 +203,29 @@ def test_imatrix_object_feeds_the_writer(wide, tmp_path: Path) -> None:
     assert_same_as_llama_cpp(ours, theirs)
 
 
-def test_imatrix_required_type_without_one_is_one_line_and_no_file(wide, tmp_path: Path) -> None:
-    """IQ2_XXS without an imatrix: llama.cpp's quantizer aborts; we refuse in one line, naming the type."""
+@pytest.mark.parametrize("mix", ["IQ2_XXS", "IQ3_XXS", "IQ2_S"])
+def test_llama_quantize_refuses_what_we_refuse_before_writing(wide, tmp_path: Path, mix: str) -> None:
+    """Very-low-bit i-quants without an imatrix (ggml itself refuses IQ2_XXS; llama-quantize also
+    IQ3_XXS and IQ2_S, and a tensor its imatrix lacks): one line naming the first such tensor and
+    its type, before any byte is written."""
     from llmopt.errors import InputError
 
-    hf, _ = wide("llama")
-    with pytest.raises(InputError, match=r"^IQ2_XXS needs an importance matrix[^\n]*$"):
-        write(hf, tmp_path / "out.gguf", "IQ2_XXS")
-    assert not (tmp_path / "out.gguf").exists()
+    hf, f16 = wide("llama")
+    with pytest.raises(AssertionError, match="llama_model_quantize failed"):
+        llama_quantize(f16, tmp_path / "theirs.gguf", mix)
+
+    def needs(has_imatrix: bool) -> list:
+        with open_model(hf) as src:
+            plan = plan_gguf(src, mix, has_imatrix=has_imatrix)
+        return [t for t in plan.tensors if requires_imatrix(t.gguf_name, t.type_name)]
+
+    def first(t) -> str:  # noqa: ANN001
+        return rf"^{t.type_name} needs an importance matrix for {re.escape(t.gguf_name)} [^\n]*$"
+
+    with pytest.raises(InputError, match=first(needs(False)[0])):
+        write(hf, tmp_path / "out.gguf", mix)
+    wanted = needs(True)
+    partial = {t.gguf_name: torch.ones(t.shape[-1]) for t in wanted[1:]}  # an imatrix that lacks one of them
+    with pytest.raises(InputError, match=first(wanted[0])):
+        write(hf, tmp_path / "out.gguf", mix, importance=partial)
+    assert list(tmp_path.glob("*out.gguf*")) == []

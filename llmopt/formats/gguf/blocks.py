@@ -13,6 +13,8 @@ import torch
 
 from llmopt.errors import InputError
 from llmopt.quant.grids.fp4 import INDEX_OF_CODE as FP4_INDEX_OF_CODE
+from llmopt.quant.grids.iq1 import CODE_STEP as IQ1_CODE_STEP
+from llmopt.quant.grids.iq1 import IQ1_LATTICE
 from llmopt.quant.grids.iq4 import IQ4_LEVELS
 from llmopt.quant.grids.iq_lattice import IQ2_S_LATTICE, IQ2_XS_LATTICE, IQ2_XXS_LATTICE, IQ3_S_LATTICE, IQ3_XXS_LATTICE
 from llmopt.quant.grids.lattice import Lattice
@@ -165,6 +167,18 @@ def pack_tq2_0(qt: QuantizedTensor) -> torch.Tensor:
     return torch.cat([qs, _half_bytes(qt.aux["d"].reshape(-1))], dim=1)
 
 
+def pack_q1_0(qt: QuantizedTensor) -> torch.Tensor:
+    bits = _u8(qt.codes).reshape(-1, 16, 8).numpy()  # value j: byte j/8, bit j%8 (1: +d)
+    qs = torch.from_numpy(np.packbits(bits, axis=-1, bitorder="little").reshape(-1, 16))
+    return torch.cat([_half_bytes(qt.aux["d"].reshape(-1)), qs], dim=1)
+
+
+def pack_q2_0(qt: QuantizedTensor) -> torch.Tensor:
+    q = _u8(qt.codes).reshape(-1, 16, 4)  # value j: byte j/4, bits 2·(j%4)
+    qs = q[..., 0] | (q[..., 1] << 2) | (q[..., 2] << 4) | (q[..., 3] << 6)
+    return torch.cat([_half_bytes(qt.aux["d"].reshape(-1)), qs], dim=1)
+
+
 def _base3(t: torch.Tensor) -> torch.Tensor:
     """Digits t [n, k, m] (k most significant first, up to 5) -> one byte per m, the number in base 3
     scaled to 0..255 by ceil(q·256/243) (as ggml packs TQ1_0)."""
@@ -258,12 +272,50 @@ def pack_iq2_s(qt: QuantizedTensor) -> torch.Tensor:
     return torch.cat([_half_bytes(qt.aux["d"].reshape(-1)), *(p.to(torch.uint8) for p in parts)], dim=1)
 
 
+def _iq1_fields(qt: QuantizedTensor, shift_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ1 codes (8·(g ± 1/8) + 128) -> every group of 8's point index [groups] and whether its shift is
+    -1/8 [groups], in element order; refuses codes off the codebook or shifts that differ within
+    `shift_group` values."""
+    v = qt.codes.to(torch.int64).reshape(-1, 8) - 128
+    g = torch.div(v + IQ1_CODE_STEP // 2, IQ1_CODE_STEP, rounding_mode="floor")  # v = 8g ± 1
+    shift = v - IQ1_CODE_STEP * g
+    index = IQ1_LATTICE.index_of_key[IQ1_LATTICE.key((g + 1).clamp(0, 2))]
+    down = shift < 0
+    per_shift = down.reshape(-1, shift_group)
+    bad = (g.abs() > 1) | (shift.abs() != 1)
+    if bool(bad.any() | (index < 0).any() | (per_shift != per_shift[:, :1]).any()):
+        raise InputError(f"{qt.grid} codes that are not points of its codebook with one shift per {shift_group} values")
+    return index, down[:, 0]
+
+
+def pack_iq1_s(qt: QuantizedTensor) -> torch.Tensor:
+    index, down = _iq1_fields(qt, 32)
+    index, down = index.reshape(-1, 8, 4), down.reshape(-1, 8, 4)[:, :, 0]  # [n, sub-block, group]
+    qh = ((index >> 8) << torch.arange(0, 12, 3)).sum(dim=-1) | (qt.aux["sc"].to(torch.int64).reshape(-1, 8) << 12)
+    qh = qh | (down.to(torch.int64) << 15)  # uint16 per 32: 3 high bits of 4 points, the scale, the shift sign
+    return torch.cat([_half_bytes(qt.aux["d"].reshape(-1)), (index & 255).reshape(-1, 32).to(torch.uint8),
+                      qh.to(torch.int16).view(torch.uint8).reshape(-1, 16)], dim=1)  # fmt: skip
+
+
+def pack_iq1_m(qt: QuantizedTensor) -> torch.Tensor:
+    index, down = _iq1_fields(qt, 8)
+    index, down = index.reshape(-1, 16, 2), down.reshape(-1, 16, 2).to(torch.int64)  # [n, sub-block of 16, group]
+    qh = (index[..., 0] >> 8) | ((index[..., 1] >> 8) << 4) | (down[..., 0] << 3) | (down[..., 1] << 7)
+    d_bits = qt.aux["d"].reshape(-1).to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+    sc = (qt.aux["sc"].to(torch.int64).reshape(-1, 4, 4) << torch.arange(0, 12, 3)).sum(dim=-1)  # 4 scales a uint16
+    sc = sc | (((d_bits[:, None] >> torch.arange(0, 16, 4)) & 0xF) << 12)  # and a nibble of d in the top of each
+    parts = [(index & 255).reshape(-1, 32).to(torch.uint8), qh.to(torch.uint8),
+             sc.to(torch.int32).to(torch.int16).view(torch.uint8).reshape(-1, 8)]  # fmt: skip
+    return torch.cat(parts, dim=1)
+
+
 PACKERS = {
     "Q8_0": pack_q8_0, "Q4_0": pack_q4_0, "Q4_1": pack_q4_1, "Q5_0": pack_q5_0, "Q5_1": pack_q5_1,
     "Q2_K": pack_q2_k, "Q3_K": pack_q3_k, "Q4_K": pack_q4_k, "Q5_K": pack_q5_k, "Q6_K": pack_q6_k,
     "IQ4_NL": pack_iq4_nl, "IQ4_XS": pack_iq4_xs, "TQ1_0": pack_tq1_0, "TQ2_0": pack_tq2_0, "MXFP4": pack_mxfp4,
     "NVFP4": pack_nvfp4, "IQ3_XXS": pack_iq3_xxs, "IQ2_XXS": pack_iq2_xxs,
-    "IQ2_XS": pack_iq2_xs, "IQ3_S": pack_iq3_s, "IQ2_S": pack_iq2_s,
+    "IQ2_XS": pack_iq2_xs, "IQ3_S": pack_iq3_s, "IQ2_S": pack_iq2_s, "IQ1_S": pack_iq1_s, "IQ1_M": pack_iq1_m,
+    "Q1_0": pack_q1_0, "Q2_0": pack_q2_0,
 }  # fmt: skip
 
 

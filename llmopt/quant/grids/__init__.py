@@ -2,7 +2,7 @@
 
 A grid is the set of values a quantized weight can take and how its parameters are stored: the
 integer grid of GPTQ/AWQ checkpoints (`IntGrid`), or one GGUF type (Q4_0 ... Q8_0, Q2_K ... Q6_K,
-IQ4_NL/IQ4_XS, IQ3_XXS/IQ3_S, IQ2_XXS/IQ2_XS/IQ2_S, TQ1_0/TQ2_0, MXFP4, NVFP4),
+IQ4_NL/IQ4_XS, IQ3_XXS/IQ3_S, IQ2_XXS/IQ2_XS/IQ2_S, IQ1_S/IQ1_M, Q1_0/Q2_0, TQ1_0/TQ2_0, MXFP4, NVFP4),
 whose raw fields (fp16 super-scales, 6-bit sub-scales, ...) `llmopt.formats.gguf.blocks` packs
 into llama.cpp's bytes. Every grid does three things:
 
@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from llmopt.errors import InputError
-from llmopt.quant.grids import fp4, iq4, iq_lattice, legacy, q2_k, q3_k, q4_k, q6_k, ternary
+from llmopt.quant.grids import fp4, iq1, iq4, iq_lattice, legacy, q1_0, q2_k, q3_k, q4_k, q6_k, ternary
 from llmopt.quant.grids.integer import IntGrid
 from llmopt.quantized_tensor import QuantizedTensor
 
@@ -52,7 +52,8 @@ GRIDS: dict[str, Any] = {
     "Q2_K": q2_k.Q2_K, "Q3_K": q3_k.Q3_K, "Q4_K": q4_k.Q4_K, "Q5_K": q4_k.Q5_K, "Q6_K": q6_k.Q6_K,
     "IQ4_NL": iq4.IQ4_NL, "IQ4_XS": iq4.IQ4_XS, "TQ1_0": ternary.TQ1_0, "TQ2_0": ternary.TQ2_0, "MXFP4": fp4.MXFP4,
     "NVFP4": fp4.NVFP4, "IQ3_XXS": iq_lattice.IQ3_XXS, "IQ2_XXS": iq_lattice.IQ2_XXS,
-    "IQ2_XS": iq_lattice.IQ2_XS, "IQ3_S": iq_lattice.IQ3_S, "IQ2_S": iq_lattice.IQ2_S,
+    "IQ2_XS": iq_lattice.IQ2_XS, "IQ3_S": iq_lattice.IQ3_S, "IQ2_S": iq_lattice.IQ2_S, "IQ1_S": iq1.IQ1_S,
+    "IQ1_M": iq1.IQ1_M, "Q1_0": q1_0.Q1_0, "Q2_0": q1_0.Q2_0,
 }  # fmt: skip
 
 

@@ -104,8 +104,39 @@ def shift_slots(index: torch.Tensor, signs: torch.Tensor, kept: torch.Tensor) ->
     return moved(index & 255) | (index >> 8 << 8), moved(signs)
 
 
+class GroupSearchGrid(BlockGrid):
+    """A grid whose codes are chosen a group of values at a time (the lattice i-quants, IQ1), with codes
+    ±value + 128 and w = scale·(code - 128).
+
+    Error feedback: a group cannot be rounded one column at a time, so within a block the codes are
+    those of the block's own search (`choose`, on the weights as they stand when the block starts);
+    the error of each column still feeds the blocks after it."""
+
+    needs_imatrix: bool  # llama.cpp's quantizer asserts there is an importance matrix
+
+    def require(self, importance: torch.Tensor | None) -> None:
+        if importance is None and self.needs_imatrix:
+            raise imatrix_required(self.name)
+
+    def quantize(self, weight: torch.Tensor, importance: torch.Tensor | None = None) -> QuantizedTensor:
+        self.require(importance)
+        return super().quantize(weight, importance)
+
+    def choose(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> BlockParams:
+        fields = self.chunk(w.to(torch.float32).contiguous(), importance)
+        qt = self.assemble(fields)
+        kept = {k: v for k, v in fields.items() if k != "codes"} | {"chosen": fields["codes"]}
+        return BlockParams(kept, qt.scales, -float(CODE_OFFSET) * qt.scales, qt.group_size)
+
+    def round(self, x: torch.Tensor, p: BlockParams, j: int) -> torch.Tensor:
+        return p.fields["chosen"][:, j].to(torch.float32)
+
+    def value(self, q: torch.Tensor, p: BlockParams, j: int) -> torch.Tensor:
+        return p.scale[:, j // p.sub] * (q - CODE_OFFSET)
+
+
 @dataclass(frozen=True)
-class LatticeGrid(BlockGrid):
+class LatticeGrid(GroupSearchGrid):
     """IQ3_XXS or IQ2_XXS (see the module docstring for what differs)."""
 
     name: str
@@ -132,14 +163,8 @@ class LatticeGrid(BlockGrid):
     def nmax(self) -> int:
         return self.lattice.nlevels
 
-    def quantize(self, weight: torch.Tensor, importance: torch.Tensor | None = None) -> QuantizedTensor:
-        if importance is None and self.needs_imatrix:
-            raise imatrix_required(self.name)
-        return super().quantize(weight, importance)
-
     def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        if importance is None and self.needs_imatrix:
-            raise imatrix_required(self.name)
+        self.require(importance)
         rows = w.shape[0]
         x = blocks_major(w, self.sub)  # [sub, S]
         if importance is not None or self.sigma_without_imatrix:
@@ -256,21 +281,6 @@ class LatticeGrid(BlockGrid):
         scales = d * (sc * 2.0 + 1.0) if not self.read_factor else d * (sc + 0.5) * self.read_factor
         aux = {"d": out["d"], "sc": out["sc"]}
         return QuantizedTensor(codes=out["codes"], scales=scales, bits=8, group_size=self.sub, grid=self.name, aux=aux)
-
-    # error feedback: a lattice group cannot be rounded one column at a time, so within a block the
-    # codes are those of the block's own search (`choose`, on the weights as they stand when the block
-    # starts); the error of each column still feeds the blocks after it
-    def choose(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> BlockParams:
-        fields = self.chunk(w.to(torch.float32).contiguous(), importance)
-        qt = self.assemble(fields)
-        kept = {"d": fields["d"], "sc": fields["sc"], "chosen": fields["codes"]}
-        return BlockParams(kept, qt.scales, -float(CODE_OFFSET) * qt.scales, self.sub)
-
-    def round(self, x: torch.Tensor, p: BlockParams, j: int) -> torch.Tensor:
-        return p.fields["chosen"][:, j].to(torch.float32)
-
-    def value(self, q: torch.Tensor, p: BlockParams, j: int) -> torch.Tensor:
-        return p.scale[:, j // p.sub] * (q - CODE_OFFSET)
 
 
 IQ3_XXS = LatticeGrid("IQ3_XXS", IQ3_XXS_LATTICE, sub=32, trials=15, trial_step=0.2, eps=1e-8, sigma_factor=2.0,

@@ -100,30 +100,36 @@ class Lattice:
         return rows
 
     @functools.cached_property
-    def _buckets(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def _buckets(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per candidate-count bucket (lower, upper]: for every reachable key, its candidates' point
-        indices, their 2l + 1 values laid out [keys, dims, upper] and a mask of the padding."""
+        indices, their 2l + 1 values and their levels l laid out [keys, dims, upper], and a mask of the padding."""
         out, lower = [], 0
         for upper in (*NEIGHBOUR_WIDTHS, self.neighbours.shape[1]):
             cand = self.neighbours[self.reachable, :upper].to(torch.int64)
             valid = cand >= 0
             values = self.points[cand.clamp(min=0)].permute(0, 2, 1).contiguous()  # [keys, dims, upper]
-            out.append((lower, upper, cand, values, valid))
+            levels = torch.from_numpy(self.coords)[cand.clamp(min=0)].permute(0, 2, 1).contiguous()
+            out.append((lower, upper, cand, values, levels, valid))
             lower = upper
         return out
 
-    def best_neighbour(self, keys: torch.Tensor, xval: torch.Tensor, waux: torch.Tensor,
-                       scale: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """llama.cpp's iq2/iq3_find_best_neighbour for off-grid groups: among a key's candidates, the
-        first with the least Σ waux·(scale·q - x)·(scale·q - x), summed in coordinate order in float32.
-        keys [n], xval/waux [n, dims], scale [n] -> point index [n]."""
+    def best_neighbour(self, keys: torch.Tensor, xval: torch.Tensor, waux: torch.Tensor, scale: torch.Tensor,
+                       level_values: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """llama.cpp's iq2/iq3_find_best_neighbour (iq1_find_best_neighbour2) for off-grid groups: among
+        a key's candidates, the first with the least Σ waux·(scale·q - x)·(scale·q - x), summed in
+        coordinate order in float32. keys [n], xval/waux [n, dims], scale [n] -> point index [n].
+        q is level l's 2l + 1, or `level_values[group, l]` when given ([n, levels]: IQ1's shifted levels)."""
         best = torch.empty(keys.shape, dtype=torch.int64)
         counts = self.neighbour_counts[keys]
-        for lower, upper, cand, values, valid in self._buckets:  # few candidates for most keys: pad per bucket
+        for lower, upper, cand, values, levels, valid in self._buckets:  # few candidates for most keys: pad per bucket
             sel = ((counts > lower) & (counts <= upper)).nonzero()[:, 0]
             if len(sel):
                 k = self.row_of_key[keys[sel]]
-                q = values[k]  # [m, dims, upper]
+                if level_values is None:
+                    q = values[k]  # [m, dims, upper]
+                else:
+                    lk = levels[k]
+                    q = level_values[sel].gather(1, lk.reshape(len(sel), -1)).reshape(lk.shape)
                 x, w, s = xval[sel], waux[sel], scale[sel][:, None]
                 d2 = torch.zeros(q.shape[0], q.shape[2])
                 for i in range(self.dims):

@@ -53,7 +53,7 @@ def test_pipeline_into_a_gguf_file_that_llama_cpp_runs(tmp_path) -> None:
     assert (theirs.argmax(-1) == ours.argmax(-1)).float().mean() >= 0.9
 
 
-@pytest.mark.parametrize("type_name", ["IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S"])
+@pytest.mark.parametrize("type_name", ["IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"])
 def test_gptq_onto_a_lattice_grid(type_name: str) -> None:
     """The lattice i-quants round a whole group at once, so within a block GPTQ keeps the block's own
     search; its error still feeds the blocks after it: less Hessian-weighted error than the grid's

@@ -10,17 +10,22 @@ import torch
 from llmopt.errors import InputError
 from llmopt.formats.gguf.blocks import pack
 from llmopt.quant.grids import GRIDS, quantize
-from tests.quant.grids.ggml_reference import ggml_quantize
+from tests.quant.grids.ggml_reference import ggml_dequantize, ggml_quantize
 
 NEW_TYPES = ["IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4", "IQ3_XXS", "IQ2_XXS",
-             "IQ2_XS", "IQ3_S", "IQ2_S"]  # also on denormals (`edge_weights`)
-NEEDS_IMATRIX = {"IQ2_XXS", "IQ2_XS"}  # llama.cpp asserts (aborts) without one: we refuse with a one-line error
+             "IQ2_XS", "IQ3_S", "IQ2_S", "IQ1_S", "IQ1_M", "Q1_0", "Q2_0"]  # also on denormals (`edge_weights`)
+NEEDS_IMATRIX = {"IQ2_XXS", "IQ2_XS", "IQ1_S"}  # llama.cpp asserts (aborts) without one: we refuse with a one-line error
+# llama.cpp builds the IQ1 neighbour lists on first use (~13 s on one core): their byte tests are slow-marked
+SLOW_REFERENCE = {"IQ1_S", "IQ1_M"}
+NOT_IN_GGUF = {"Q1_0", "Q2_0"}  # types the `gguf` package cannot dequantize (Q2_0: not even name): llama.cpp's to_float
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", *NEW_TYPES]
 # relative RMS error of the grids whose codes are not plain b-bit integers (the others: by bits); ternary
 # with d = max|x| rounds most Gaussian weights to 0
-# (IQ2_XXS: 2 bits, weighted by a random imatrix that all but ignores most columns)
+# (IQ2_XXS: 2 bits, weighted by a random imatrix that all but ignores most columns; the 1-bit types: their
+# levels are little more than signs)
 MAX_ERROR = {"IQ4_NL": 0.1, "IQ4_XS": 0.1, "TQ1_0": 0.85, "TQ2_0": 0.85, "MXFP4": 0.13, "NVFP4": 0.12, "IQ3_XXS": 0.25,
-             "IQ2_XXS": 0.6, "IQ2_XS": 0.5, "IQ3_S": 0.25, "IQ2_S": 0.45}  # fmt: skip
+             "IQ2_XXS": 0.6, "IQ2_XS": 0.5, "IQ3_S": 0.25, "IQ2_S": 0.45, "IQ1_S": 0.8, "IQ1_M": 0.7, "Q1_0": 0.8,
+             "Q2_0": 0.8}  # fmt: skip
 LEGACY = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 
 
@@ -86,15 +91,24 @@ def assert_same_bytes_as_llama_cpp(type_name: str, w: torch.Tensor, imp: torch.T
 
 
 @pytest.mark.parametrize("imatrix", ["none", "random", "zeros"])
-@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("type_name", [t for t in TYPES if t not in SLOW_REFERENCE])
 def test_bytes_match_llama_cpp(type_name: str, imatrix: str) -> None:
     assert_same_bytes_as_llama_cpp(type_name, weights(), importance(imatrix))
 
 
 @pytest.mark.parametrize("imatrix", ["none", "random", "zeros"])
-@pytest.mark.parametrize("type_name", NEW_TYPES)
+@pytest.mark.parametrize("type_name", [t for t in NEW_TYPES if t not in SLOW_REFERENCE])
 def test_edge_values_match_llama_cpp(type_name: str, imatrix: str) -> None:
     assert_same_bytes_as_llama_cpp(type_name, edge_weights(), importance(imatrix))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("type_name", sorted(SLOW_REFERENCE))
+def test_iq1_bytes_match_llama_cpp(type_name: str) -> None:
+    """IQ1_S / IQ1_M on the awkward rows and on denormals, with a random, an all-zero and no imatrix."""
+    for w in (weights(), edge_weights()):
+        for imatrix in ("none", "random", "zeros"):
+            assert_same_bytes_as_llama_cpp(type_name, w, importance(imatrix))
 
 
 @pytest.mark.parametrize("type_name", LEGACY)
@@ -105,12 +119,20 @@ def test_legacy_bytes_match_gguf_package(type_name: str) -> None:
 
 
 @pytest.mark.parametrize("imatrix", ["none", "random"])
-@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("type_name", [t for t in TYPES if t not in NOT_IN_GGUF])
 def test_dequantize_equals_gguf_package(type_name: str, imatrix: str) -> None:
     w = weights(rows=16, seed=3)
     qt = quantize(type_name, w, usable_importance(type_name, imatrix))
     theirs = gguf.quants.dequantize(pack(qt), gguf.GGMLQuantizationType[type_name])
     assert np.array_equal(qt.dequantize().numpy(), theirs.reshape(w.shape))
+
+
+@pytest.mark.parametrize("type_name", ["Q1_0", "Q2_0", "IQ1_S", "IQ1_M"])
+def test_dequantize_equals_llama_cpp(type_name: str) -> None:
+    """Our values of our bytes are llama.cpp's own dequantization (its type traits' to_float)."""
+    w = edge_weights()
+    qt = quantize(type_name, w, usable_importance(type_name, "random"))
+    assert np.array_equal(qt.dequantize().numpy(), ggml_dequantize(type_name, pack(qt)))
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -121,7 +143,7 @@ def test_quantized_tensor_contract(type_name: str) -> None:
     assert int(qt.codes.max()) < 2**qt.bits
     assert qt.scales.shape[1] * qt.group_size == w.shape[1]
     err = (qt.dequantize() - w)[11:].pow(2).mean().sqrt() / w[11:].pow(2).mean().sqrt()
-    assert err < MAX_ERROR.get(type_name, {2: 0.45, 3: 0.25, 4: 0.12, 5: 0.06, 6: 0.03, 8: 0.01}[qt.bits])
+    assert err < (MAX_ERROR[type_name] if type_name in MAX_ERROR else {2: 0.45, 3: 0.25, 4: 0.12, 5: 0.06, 6: 0.03, 8: 0.01}[qt.bits])
 
 
 def test_rejects_rows_that_do_not_fill_blocks() -> None:
@@ -134,25 +156,31 @@ def test_rejects_rows_that_do_not_fill_blocks() -> None:
     assert set(GRIDS) == set(TYPES)
 
 
-@pytest.mark.parametrize("type_name", ["IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S"])
-def test_lattice_reads_back_as_the_gguf_packages_grid(type_name: str) -> None:
-    """Our point list (llama.cpp's search grid) with its read-back levels is gguf's dequantization grid."""
-    from llmopt.quant.grids import iq_lattice
+def _lattice(type_name: str):  # noqa: ANN202 - a Lattice
+    from llmopt.quant.grids import iq1, iq_lattice
 
-    lattice = getattr(iq_lattice, f"{type_name}_LATTICE")
+    return iq1.IQ1_LATTICE if type_name.startswith("IQ1") else getattr(iq_lattice, f"{type_name}_LATTICE")
+
+
+@pytest.mark.parametrize("type_name", ["IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S"])
+def test_lattice_reads_back_as_the_gguf_packages_grid(type_name: str) -> None:
+    """Our point list (llama.cpp's search grid) with its read-back levels is gguf's dequantization grid
+    (IQ1: ggml-common.h's iq1s_grid, before the ±1/8 shift)."""
+    lattice = _lattice(type_name)
     quant = gguf.quants._type_traits[gguf.GGMLQuantizationType[type_name]]
     quant.init_grid()
     assert np.array_equal(lattice.read_values.numpy(), quant.grid.reshape(lattice.read_values.shape))
 
 
-def test_lattice_neighbour_lists() -> None:
-    """Every off-lattice key's candidates are the points at its two smallest distances, nearest first."""
-    from llmopt.quant.grids.iq_lattice import IQ3_XXS_LATTICE as lat
-
-    for key in (1, 7, 100, 4095):
+@pytest.mark.parametrize(("type_name", "keys"), [("IQ3_XXS", (1, 7, 100, 4095)), ("IQ1_S", (1, 4, 100, 43689))])
+def test_lattice_neighbour_lists(type_name: str, keys: tuple[int, ...]) -> None:
+    """Every off-lattice key's candidates are the points at its `nwant` smallest distances (IQ3: two,
+    IQ1: three), nearest first, then by index (iq3xs_init_impl / iq2xs_init_impl)."""
+    lat = _lattice(type_name)
+    for key in keys:
         assert lat.index_of_key[key] < 0
         pos = 2 * lat.keys[key] + 1
         d2 = ((2 * lat.coords + 1 - pos) ** 2).sum(axis=1)
-        two = np.unique(d2)[:2]
+        nearest = np.unique(d2)[: lat.nwant]
         cand = [int(c) for c in lat.neighbours[key] if c >= 0]
-        assert cand == sorted(np.flatnonzero(np.isin(d2, two)).tolist(), key=lambda j: (d2[j], j))
+        assert cand == sorted(np.flatnonzero(np.isin(d2, nearest)).tolist(), key=lambda j: (d2[j], j))

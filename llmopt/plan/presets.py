@@ -134,6 +134,14 @@ _PRESETS = (
     Preset("qwen2.5-72b", "Qwen/Qwen2.5-72B", _qwen2(
         hidden=8192, layers=80, heads=64, kv_heads=8, ffn=29568, vocab=152064, context=131072,
         rope_theta=1000000.0, eps=1e-5)),
+    # Qwen/Qwen1.5-MoE-A2.7B config.json (60 experts of width 1408, 4 per token, not renormalised; a shared
+    # expert of width 5632 on every token); read as its config.json is, so the family's keys land in `extra`
+    Preset("qwen1.5-moe-a2.7b", "Qwen/Qwen1.5-MoE-A2.7B", ArchSpec.from_hf_config({
+        "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 2048, "intermediate_size": 5632,
+        "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 151936,
+        "max_position_embeddings": 8192, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "use_sliding_window": False, "sliding_window": 32768, "decoder_sparse_step": 1, "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632, "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False})),
     # HuggingFaceTB/SmolLM2-135M config.json
     Preset("smollm2-135m", "HuggingFaceTB/SmolLM2-135M", _llama(
         hidden=576, layers=30, heads=9, kv_heads=3, ffn=1536, vocab=49152, context=8192,

@@ -42,3 +42,10 @@ def test_recommend_gives_the_tensor_bytes_of_our_gptq_checkpoint(tmp_path) -> No
         written = sum(math.prod(f.get_slice(k).get_shape()) * itemsize[f.get_slice(k).get_dtype()] for k in f.keys())
     row = next(r for r in recommend(mem=8, model=str(hf))["rows"] if r.format == "GPTQ-4bit-g128")
     assert row.weights_bytes == written
+
+
+def test_the_a2_7b_preset_has_its_published_totals() -> None:
+    """Qwen1.5-MoE-A2.7B's model card: 14.3B parameters, 2.7B of them active per token."""
+    (model,) = recommend(mem=24, model="qwen1.5-moe-a2.7b")["models"]
+    assert model["family"] == "qwen2moe" and (model["experts"], model["experts_per_token"]) == (60, 4)
+    assert round(model["parameters"] / 1e9, 1) == 14.3 and round(model["active_parameters"] / 1e9, 1) == 2.7

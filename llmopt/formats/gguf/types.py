@@ -19,14 +19,16 @@ if TYPE_CHECKING:
     from gguf.constants import GGMLQuantizationType
 
 # The types llmopt writes (float containers, legacy 32-blocks, K-quant 256-super-blocks, the
-# i-quants: non-linear 4-bit levels and the IQ3/IQ2 lattice codebooks, ternary, FP4).
+# i-quants: non-linear 4-bit levels and the IQ3/IQ2/IQ1 lattice codebooks, ternary, sign-only Q1_0, FP4).
+# (Q2_0 has a grid and a packer but no writer: the `gguf` package has no such type to write.)
 FLOAT_TYPES = ("F32", "F16", "BF16")
 LEGACY_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-IQ_TYPES = ("IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS")
+IQ_TYPES = ("IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
 TERNARY_TYPES = ("TQ1_0", "TQ2_0")
+SIGN_TYPES = ("Q1_0",)
 FP4_TYPES = ("MXFP4", "NVFP4")
-WRITABLE_TYPES = FLOAT_TYPES + LEGACY_TYPES + K_TYPES + IQ_TYPES + TERNARY_TYPES + FP4_TYPES
+WRITABLE_TYPES = FLOAT_TYPES + LEGACY_TYPES + K_TYPES + IQ_TYPES + TERNARY_TYPES + SIGN_TYPES + FP4_TYPES
 
 
 def ggml_info(type_name: str) -> GGMLType:

@@ -60,7 +60,7 @@ def test_mix_matches_llama_cpp(sparse_models, key: str, mix: str) -> None:
 
 
 @pytest.mark.parametrize("mix", ["Q4_0", "Q5_0", "Q4_K_M", "Q2_K", "IQ4_XS", "IQ4_NL", "IQ3_XXS", "IQ3_M", "IQ2_XXS",
-                                 "IQ2_M"])
+                                 "IQ2_M", "IQ1_S", "IQ1_M"])
 def test_mix_with_imatrix_matches_llama_cpp(sparse_models, mix: str) -> None:
     arch, shapes, path = sparse_models["llama-256"]
     ours = plan_shapes(shapes, mix, arch, has_imatrix=True)
@@ -72,7 +72,8 @@ def test_mix_with_imatrix_matches_llama_cpp(sparse_models, mix: str) -> None:
         assert plan_shapes(shapes, mix, arch)["blk.0.ffn_down.weight"] == "Q5_K"
 
 
-@pytest.mark.parametrize("mix", ["IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M"])
+@pytest.mark.parametrize("mix", ["IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S",
+                                 "IQ1_M"])
 def test_imatrix_requirement_matches_llama_cpp(sparse_models, tmp_path, mix: str) -> None:
     """llama-quantize refuses a plan with a very-low-bit i-quant tensor (not token_embd/output) and no
     imatrix; `requires_imatrix` says the same for our plan of the model."""
@@ -136,7 +137,8 @@ def test_file_type_and_unknown_mix() -> None:
     ("type_name", "shape", "nbytes"),
     [("F32", (576,), 2304), ("F16", (3, 4), 24), ("Q8_0", (2, 64), 2 * 2 * 34), ("Q4_K", (10, 512), 10 * 2 * 144),
      ("Q6_K", (576, 1536), 576 * 6 * 210), ("Q2_K", (1, 256), 84), ("Q3_K", (1, 256), 110), ("Q5_K", (1, 256), 176),
-     ("Q4_0", (1, 32), 18), ("Q4_1", (1, 32), 20), ("Q5_0", (1, 32), 22), ("Q5_1", (1, 32), 24), ("BF16", (7,), 14)],
+     ("Q4_0", (1, 32), 18), ("Q4_1", (1, 32), 20), ("Q5_0", (1, 32), 22), ("Q5_1", (1, 32), 24), ("BF16", (7,), 14),
+     ("IQ1_S", (2, 512), 2 * 2 * 50), ("IQ1_M", (1, 256), 56), ("Q1_0", (3, 128), 3 * 18)],
 )
 def test_tensor_nbytes(type_name: str, shape, nbytes: int) -> None:
     assert tensor_nbytes(type_name, shape) == nbytes

@@ -108,7 +108,7 @@ class Lattice:
             cand = self.neighbours[self.reachable, :upper].to(torch.int64)
             valid = cand >= 0
             values = self.points[cand.clamp(min=0)].permute(0, 2, 1).contiguous()  # [keys, dims, upper]
-            levels = torch.from_numpy(self.coords)[cand.clamp(min=0)].permute(0, 2, 1).contiguous()
+            levels = torch.from_numpy(self.coords.astype(np.uint8))[cand.clamp(min=0)].permute(0, 2, 1).contiguous()
             out.append((lower, upper, cand, values, levels, valid))
             lower = upper
         return out
@@ -128,7 +128,7 @@ class Lattice:
                 if level_values is None:
                     q = values[k]  # [m, dims, upper]
                 else:
-                    lk = levels[k]
+                    lk = levels[k].long()
                     q = level_values[sel].gather(1, lk.reshape(len(sel), -1)).reshape(lk.shape)
                 x, w, s = xval[sel], waux[sel], scale[sel][:, None]
                 d2 = torch.zeros(q.shape[0], q.shape[2])

@@ -66,3 +66,19 @@ def test_gptq_onto_a_lattice_grid(type_name: str) -> None:
     assert torch.equal(theirs, ours)
     rtn = grid.quantize(w, torch.diagonal(h)).dequantize()
     assert _hessian_error(w, ours, h) < 0.9 * _hessian_error(w, rtn, h)
+
+
+@pytest.mark.parametrize("type_name", ["Q1_0", "Q2_0"])
+def test_gptq_onto_the_one_and_two_bit_grids(type_name: str) -> None:
+    """Q1_0 (±d) and Q2_0 ((q - 1)·d) with d fixed per block by llama.cpp's rule: GPTQ's codes are values
+    llama.cpp's own dequantizer (to_float) reads back exactly; on Q1_0 with less Hessian-weighted error
+    (Q2_0's d = max|x| rounds nearly every weight to 0 either way, as on the ternary grids)."""
+    from tests.quant.grids.ggml_reference import ggml_dequantize
+
+    w, h = _problem()
+    grid = GRIDS[type_name]
+    qt = gptq_quantize(w, h, GPTQConfig(damp=0.01), type_name, grid=grid).tensor
+    ours = qt.dequantize()
+    assert torch.equal(torch.from_numpy(ggml_dequantize(type_name, pack(qt))), ours)
+    if type_name == "Q1_0":
+        assert _hessian_error(w, ours, h) < 0.9 * _hessian_error(w, grid.quantize(w).dequantize(), h)

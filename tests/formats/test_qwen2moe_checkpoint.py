@@ -62,6 +62,9 @@ def test_gptq_checkpoint_end_to_end(qwen2moe, tmp_path, caplog) -> None:
         for module, k in routed.items():
             same = torch.equal(g.get_tensor(f"{module}.gate_proj.qweight"), r.get_tensor(f"{module}.gate_proj.qweight"))
             assert same == (k == 0), (module, k)
+        for layer in range(2):  # the shared expert saw every token: GPTQ's codes, not RTN's
+            module = f"model.layers.{layer}.mlp.shared_expert"
+            assert not torch.equal(g.get_tensor(f"{module}.down_proj.qweight"), r.get_tensor(f"{module}.down_proj.qweight"))
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(qwen2moe)

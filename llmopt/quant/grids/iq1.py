@@ -96,10 +96,10 @@ def _split_m(ws: torch.Tensor, wxs: torch.Tensor, order: torch.Tensor) -> tuple[
     """IQ1_M: every split of the sorted order with the four shift pairs k (0: +,+  1: +,-  2: -,+  3: -,-
     for the two halves), from prefix sums kept per half. Returns the scan and candidate -> (i1, i2, k)."""
     n, count = ws.shape
-    second = order >= n // 2  # sorted position j holds a value of the second half
+    in_second = order >= n // 2  # sorted position j holds a value of the second half
     px, pw = torch.zeros(2, n + 1, count), torch.zeros(2, n + 1, count)
     for j in range(n):
-        for h, mine in ((0, ~second[j]), (1, second[j])):
+        for h, mine in ((0, ~in_second[j]), (1, in_second[j])):
             px[h, j + 1] = torch.where(mine, px[h, j] + wxs[j], px[h, j])
             pw[h, j + 1] = torch.where(mine, pw[h, j] + ws[j], pw[h, j])
     tx, tw = px[:, n, None], pw[:, n, None]  # [2, 1, S]
@@ -112,9 +112,9 @@ def _split_m(ws: torch.Tensor, wxs: torch.Tensor, order: torch.Tensor) -> tuple[
         up_x, down_x = tx * p2 - sx, tx * m2 - sx
         up_2 = tw * p2 * p2 + pw[:, i1, None] * cp1 + pw[:, i1:] * cp2
         down_2 = tw * m2 * m2 + pw[:, i1, None] * cm1 + pw[:, i1:] * cm2
-        halves = [(first, second) for first in ((up_x, up_2), (down_x, down_2)) for second in ((up_x, up_2), (down_x, down_2))]
-        qx = torch.stack([a[0][0] + b[0][1] for a, b in halves], dim=1)  # k = 0..3: first half's shift, then the second's
-        q2 = torch.stack([a[1][0] + b[1][1] for a, b in halves], dim=1)
+        shifts = ((up_x, up_2), (down_x, down_2))  # k = 2·(first half's shift) + (second half's): up 0, down 1
+        qx = torch.stack([first[0] + second[1] for first, _ in shifts for second, _ in shifts], dim=1)
+        q2 = torch.stack([first[0] + second[1] for _, first in shifts for _, second in shifts], dim=1)
         scan.offer(qx.reshape(-1, count), q2.reshape(-1, count))
         table += [(i1, i2, k) for i2 in range(i1, n + 1) for k in range(4)]
     return scan, torch.tensor(table, dtype=torch.int64)

@@ -42,7 +42,7 @@ def test_dry_run_table(llmopt_here, wide_hf: Path) -> None:  # noqa: F811
     (["--type", "Q4_K_XL", "--dry-run"], "unknown GGUF type"),
     (["--type", "Q4_K_M", "--tensor-type", "attn_v", "--dry-run"], "REGEX=TYPE"),
     (["--type", "Q4_K_M", "--tensor-type", "attn_v=Q9_9", "--dry-run"], "unknown GGML type"),
-    (["--type", "Q4_K_M", "--tensor-type", "attn_v=IQ1_S", "--dry-run"], "llmopt does not write IQ1_S"),
+    (["--type", "Q4_K_M", "--tensor-type", "attn_v=Q8_K", "--dry-run"], "llmopt does not write Q8_K"),
     (["--type", "Q4_K_M", "--output-tensor-type", "Q8_1", "--dry-run"], "llmopt does not write Q8_1"),
     (["--type", "Q4_K_M"], "--output"),
     (["--type", "Q4_K_M", "--imatrix", "/nonexistent/im.gguf", "--dry-run"], "no such file"),

@@ -13,8 +13,9 @@ import torch
 from llmopt.api import convert_to_gguf, convert_to_hf
 from llmopt.model import open_model
 from llmopt.model.decoder import Decoder
-from tests.formats.gguf.llama_cpp_helpers import (assert_same_tensors, assert_type_map_equals_llama_quantize, assert_same_top1, llama_cpp_logits,
-                                                  llama_cpp_model, llama_dry_run_types, write_sparse_f16_gguf)
+from tests.formats.gguf.llama_cpp_helpers import (assert_same_greedy, assert_same_tensors, assert_same_top1,
+                                                  assert_type_map_equals_llama_quantize, llama_cpp_greedy, llama_cpp_logits,
+                                                  llama_dry_run_types, write_sparse_f16_gguf)
 from tests.model.test_gemma3 import WINDOW, ids, make_tiny_gemma3, reference
 
 
@@ -63,15 +64,11 @@ def test_greedy_generation_equals_llama_cpps(tmp_path) -> None:
     out = tmp_path / "g.gguf"
     convert_to_gguf(path, out, "F16")
     prompt = ids(12, seed=7)[0].tolist()
-    theirs = []
-    for token in llama_cpp_model(out).generate(prompt, top_k=1, temp=0.0, reset=True):
-        theirs.append(int(token))
-        if len(theirs) == 32:
-            break
+    theirs = llama_cpp_greedy(out, prompt, 32)
     loaded = load_model(str(out), "float32", "cpu")
     ours = Generator(loaded.model, eos=set()).generate(prompt, max_tokens=32, ignore_eos=True).token_ids
     assert len(set(theirs)) >= 3  # a continuation that changes token, not one repeated
-    assert ours == theirs
+    assert_same_greedy(out, prompt, ours, theirs)
 
 
 @pytest.mark.parametrize("mix", ["Q4_K_M", "Q2_K"])

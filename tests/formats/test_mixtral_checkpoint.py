@@ -90,7 +90,7 @@ def test_gptq_onto_the_q4_k_m_grids_runs_in_llama_cpp(mixtral, tmp_path) -> None
     """`convert --to gguf --method gptq`: each expert rounded by GPTQ onto its stack's type, the stacks
     packed from those codes; the file has Q4_K_M's types and llama.cpp's top-1 is ours."""
     from llmopt.api import convert_to_gguf
-    from tests.formats.gguf.llama_cpp_helpers import gguf_types, llama_cpp_logits
+    from tests.formats.gguf.llama_cpp_helpers import assert_same_top1, gguf_types, llama_cpp_logits
     from tests.model.test_mixtral import ids
 
     plain, out = tmp_path / "rtn.gguf", tmp_path / "gptq.gguf"
@@ -101,8 +101,8 @@ def test_gptq_onto_the_q4_k_m_grids_runs_in_llama_cpp(mixtral, tmp_path) -> None
     with open_model(out) as src, torch.no_grad():
         ours = Decoder.from_source(src)(x)[0]
     theirs = llama_cpp_logits(out, x[0].tolist())
-    print(f"mixtral GPTQ Q4_K_M: max |llama.cpp - llmopt| logit = {(theirs - ours).abs().max().item():.3g}")
-    assert (theirs.argmax(-1) == ours.argmax(-1)).all()
+    # llama.cpp rounds the activations to Q8_K for Q4_K/Q6_K dot products: 0.0163 measured, hence atol 0.05
+    assert_same_top1(ours, theirs, "mixtral GPTQ Q4_K_M", atol=0.05)
 
 
 def test_awq_is_refused_for_experts_with_a_one_line_error(mixtral, tmp_path) -> None:

@@ -18,8 +18,8 @@ from llmopt.model import open_model
 from llmopt.model.decoder import Decoder
 from llmopt.runtime.generate import Generator
 from llmopt.runtime.weights import load_model
-from tests.formats.gguf.llama_cpp_helpers import (assert_same_tensors, assert_same_top1, assert_type_map_equals_llama_quantize,
-                                                  llama_cpp_logits, llama_cpp_model)
+from tests.formats.gguf.llama_cpp_helpers import (assert_same_greedy, assert_same_tensors, assert_same_top1,
+                                                  assert_type_map_equals_llama_quantize, llama_cpp_greedy, llama_cpp_logits)
 from tests.model.test_qwen2moe import EXPERTS, PER_TOKEN, ids, make_tiny_qwen2moe
 
 
@@ -70,12 +70,7 @@ def test_greedy_on_our_gguf_matches_llama_cpp(f16) -> None:
     prompt = ids(12, seed=4)[0].tolist()
     runtime = load_model(str(f16), "float32", "cpu")
     ours = Generator(runtime.model, eos=set()).generate(prompt, max_tokens=32, ignore_eos=True).token_ids
-    llm, theirs = llama_cpp_model(f16), []
-    llm.eval(prompt)
-    for _ in range(32):
-        theirs.append(int(llm.scores[llm.n_tokens - 1].argmax()))
-        llm.eval([theirs[-1]])
-    assert ours == theirs
+    assert_same_greedy(f16, prompt, ours, llama_cpp_greedy(f16, prompt, 32))
 
 
 def test_gguf_to_hf_to_gguf_keeps_every_tensor(f16, tmp_path) -> None:

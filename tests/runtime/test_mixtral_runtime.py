@@ -14,7 +14,7 @@ from llmopt.runtime.batch import BatchEngine, Request
 from llmopt.runtime.generate import Generator
 from llmopt.runtime.paged import BlockPool
 from llmopt.runtime.weights import load_model
-from tests.formats.gguf.llama_cpp_helpers import llama_cpp_model
+from tests.formats.gguf.llama_cpp_helpers import assert_same_greedy, llama_cpp_greedy
 from tests.model.test_mixtral import ids, make_tiny_mixtral, reference
 
 
@@ -39,12 +39,7 @@ def test_greedy_on_our_gguf_matches_llama_cpp(mixtral, tmp_path) -> None:
     prompt = ids(12, seed=4)[0].tolist()
     runtime = load_model(str(out), "float32", "cpu")
     ours = Generator(runtime.model, eos=set()).generate(prompt, max_tokens=32, ignore_eos=True).token_ids
-    llm, theirs = llama_cpp_model(out), []
-    llm.eval(prompt)
-    for _ in range(32):
-        theirs.append(int(llm.scores[llm.n_tokens - 1].argmax()))
-        llm.eval([theirs[-1]])
-    assert ours == theirs
+    assert_same_greedy(out, prompt, ours, llama_cpp_greedy(out, prompt, 32))
 
 
 def test_paged_batch_equals_each_prompt_alone(mixtral) -> None:

@@ -191,16 +191,17 @@ def llama_cpp_logits(path: Path, tokens: list[int], n_ctx: int = 128) -> torch.T
     return torch.tensor(np.asarray(llm.scores[: len(tokens)]))
 
 
-def assert_same_top1(ours: torch.Tensor, theirs: torch.Tensor, label: str) -> float:
-    """llama.cpp's most likely token equals ours at every position, the logits within 1e-2, and all but
-    4 positions clear of near-ties (margin over 4x the measured difference), so the check means
-    something; prints and returns the largest difference."""
+def assert_same_top1(ours: torch.Tensor, theirs: torch.Tensor, label: str, atol: float = 1e-2) -> float:
+    """The logits within `atol` of llama.cpp's, its most likely token ours at every position clear of a
+    near-tie (our top two further apart than 4x the measured difference: no kernel's rounding flips
+    those), and at least half the positions clear, so the check means something; prints and returns the
+    largest difference. (At a near-tie either engine may pick either token, on either CPU.)"""
     diff = (theirs - ours).abs().max().item()
     print(f"{label}: max |llama.cpp - llmopt| logit = {diff:.3g}")
     top2 = ours.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 4 * diff  # positions no kernel's rounding can flip
-    assert diff < 1e-2 and int(clear.sum()) >= ours.shape[0] - 4, (diff, int(clear.sum()))
-    assert (theirs.argmax(-1) == ours.argmax(-1)).all()
+    clear = (top2[:, 0] - top2[:, 1]) > 4 * diff
+    assert diff < atol and int(clear.sum()) >= ours.shape[0] // 2, (diff, int(clear.sum()))
+    assert (theirs.argmax(-1) == ours.argmax(-1))[clear].all()
     return diff
 
 
@@ -224,3 +225,38 @@ def assert_type_map_equals_llama_quantize(hf_dir: Path, tmp_path: Path, mix: str
     convert_to_gguf(hf_dir, f16, "F16")
     convert_to_gguf(hf_dir, ours, mix)
     assert gguf_types(ours) == llama_dry_run_types(f16, mix)
+
+
+def llama_cpp_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
+    """llama.cpp's `n` greedy tokens after `prompt` on `path`, one decode step at a time."""
+    llm = llama_cpp_model(path, n_ctx=len(prompt) + n + 8)
+    llm.eval(prompt)
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(np.asarray(llm.scores[llm.n_tokens - 1]).argmax()))
+        llm.eval([out[-1]])
+    return out
+
+
+TIE = 1e-2  # two logits closer than this are a tie that another kernel's rounding may break either way
+
+
+def assert_same_greedy(path: Path, prompt: list[int], ours: list[int], theirs: list[int]) -> None:
+    """Our greedy continuation on `path` equals llama.cpp's, except that one may break a near-tie the
+    other way: the first differing token must be one our decoder, fed llama.cpp's tokens, ranks within
+    TIE of its top, and at least half the tokens must agree before it, so the check keeps its teeth."""
+    import torch
+
+    from llmopt.model import open_model
+    from llmopt.model.decoder import Decoder
+
+    assert len(ours) == len(theirs)
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if first is None:
+        return
+    with open_model(path) as src, torch.no_grad():
+        logits = Decoder.from_source(src)(torch.tensor([prompt + theirs[:first]]))[0, -1]
+    gap = (logits.max() - logits[theirs[first]]).item()
+    print(f"greedy diverges at token {first}/{len(ours)}: ours {ours[first]}, llama.cpp {theirs[first]}, "
+          f"our logit gap {gap:.3g}")
+    assert first >= len(ours) // 2 and gap < TIE, (first, gap)

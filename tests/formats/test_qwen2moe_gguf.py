@@ -90,16 +90,6 @@ def test_gguf_to_hf_to_gguf_keeps_every_tensor(f16, tmp_path) -> None:
     assert diff < 1e-4, diff
 
 
-# What llmopt/formats/gguf/mixes.py does not yet do as llama.cpp (a change its owner makes; then these pass
-# and the marker goes): ffn_gate_inp_shexp is [hidden, 1], one dimension to ggml_n_dims, so llama-quantize
-# never quantizes it (the converter writes it F32); and with experts, the ffn_down/ffn_gate/ffn_up rules
-# take the layer from the tensor's name (llama-quant.cpp's layer_info), not a running counter that
-# ffn_down_shexp advances too.
-MIXES_PENDING = pytest.mark.xfail(strict=True, reason="mixes.py: ggml_n_dims for allows_quantization; "
-                                  "the layer from the name for expert models' ffn rules")  # fmt: skip
-
-
-@MIXES_PENDING
 @pytest.mark.parametrize("mix", ["Q4_K_M", "Q2_K"])
 def test_written_type_map_equals_llama_quantize(qwen2moe, tmp_path, mix: str) -> None:
     """The types in our Q4_K_M / Q2_K file (expert stacks and shared expert quantized, router and

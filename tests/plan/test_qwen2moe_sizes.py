@@ -8,12 +8,10 @@ import math
 
 from llmopt.api import quantize, recommend
 from llmopt.model import open_model
-from tests.formats.test_qwen2moe_gguf import MIXES_PENDING
 from tests.model.test_qwen2moe import EXPERTS, PER_TOKEN, make_tiny_qwen2moe
 from tests.plan.family_sizes import assert_recommend_gives_llama_cpp_q4_k_m_size
 
 
-@MIXES_PENDING
 def test_recommend_gives_the_size_llama_cpp_writes_for_q4_k_m(tmp_path) -> None:
     """The Q4_K_M file size recommend predicts is the one llama.cpp writes."""
     assert_recommend_gives_llama_cpp_q4_k_m_size(make_tiny_qwen2moe(tmp_path / "qwen2moe"), tmp_path, "qwen2moe")

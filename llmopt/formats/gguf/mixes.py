@@ -59,7 +59,8 @@ IMATRIX_TYPES = ("IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 TERNARY_MIXES = ("TQ1_0", "TQ2_0")
 
 _LAYER = re.compile(r"^blk\.(\d+)\.")
-COUNTED_KINDS = ("attn_v", "ffn_down", "ffn_gate", "ffn_up")  # the tensors llama.cpp's rules count in loader order
+FFN_KINDS = ("ffn_down", "ffn_gate", "ffn_up")
+COUNTED_KINDS = ("attn_v",) + FFN_KINDS  # the tensors llama.cpp's rules count in loader order
 
 
 def check_mix(mix: str) -> str:
@@ -97,9 +98,11 @@ def _c_mod(a: int, b: int) -> int:
 
 
 def allows_quantization(gguf_name: str, shape: Sequence[int]) -> bool:
-    """tensor_allows_quantization for our families: 2-D (or expert-stacked 3-D) `*weight` tensors that
-    are not norms or an MoE router (`ffn_gate_inp`, which llama.cpp keeps in float)."""
-    return (len(shape) >= 2 and gguf_name.endswith("weight") and "_norm.weight" not in gguf_name
+    """tensor_allows_quantization for our families: `*weight` tensors of two or more dimensions as
+    ggml_n_dims counts them (a [1, hidden] matrix, Qwen2-MoE's shared-expert gate, is one), not norms
+    or an MoE router (`ffn_gate_inp`, which llama.cpp keeps in float)."""
+    n_dims = len(shape) - next((i for i, n in enumerate(shape) if n != 1), len(shape) - 1)  # HF order: outer first
+    return (n_dims >= 2 and gguf_name.endswith("weight") and "_norm.weight" not in gguf_name
             and "ffn_gate_inp.weight" not in gguf_name)
 
 
@@ -134,10 +137,13 @@ def requires_imatrix(gguf_name: str, type_name: str) -> bool:
 
 
 def _mix_rules(cat: str, new_type: str, mix: str, arch: ArchSpec, row_length: int, i_layer: int, n_layer: int,
-               tied: bool, has_imatrix: bool, output_tensor_type: str | None, stacked: bool = False) -> str:  # fmt: skip
+               tied: bool, has_imatrix: bool, output_tensor_type: str | None, stacked: bool = False,
+               name_layer: int = 0) -> str:  # fmt: skip
     """llama_tensor_get_type_impl restricted to the mixes in MIXES and the families llmopt
-    reads: dense decoders and Mixtral's experts (`stacked`: a 3-D expert stack; llama.cpp's n_expert rules).
-    Each test of `i_layer` here must be one of `layer_signature`'s."""
+    reads: dense decoders and experts (`stacked`: a 3-D expert stack; llama.cpp's n_expert rules).
+    `i_layer` is the tensor's running count among its kind, `name_layer` the layer its name says: with
+    experts, llama.cpp's ffn rules take the latter (layer_info), as a shared expert's ffn_down_shexp
+    advances the count too. Each test of either here must be one of `layer_signature`'s."""
     if cat == "output" or (tied and cat == "token_embd"):
         if output_tensor_type is not None:
             return output_tensor_type
@@ -155,8 +161,10 @@ def _mix_rules(cat: str, new_type: str, mix: str, arch: ArchSpec, row_length: in
             return "IQ3_S"
         return "Q4_K" if mix in TERNARY_MIXES else new_type
     n_gqa, n_expert = arch.num_heads // max(1, arch.num_kv_heads), num_experts(arch)
-    if mix in LOW_BIT_MIXES:
+    if mix in LOW_BIT_MIXES:  # (these count ffn_down without layer_info)
         return _low_bit_rules(cat, new_type, mix, i_layer, n_layer, n_gqa, n_expert)
+    if n_expert > 1 and cat in FFN_KINDS:
+        i_layer = name_layer
     if cat == "attn_k" and n_expert == 8:  # llama.cpp: "for the 8-expert model, bumping this to Q8_0 trades just ~128MB"
         return "Q8_0"
     if cat in ("attn_q", "attn_k"):
@@ -305,7 +313,8 @@ def _choose(gguf_name: str, shape: tuple[int, ...], cat: str, allowed: bool, mix
     else:
         i_layer = _layer_of(gguf_name) if counter is None else counter
         new_type = _mix_rules(cat, default, mix, arch, shape[-1], i_layer, arch.num_layers, tied, has_imatrix,
-                              output_tensor_type, stacked=len(shape) == 3 and shape[0] > 1)  # fmt: skip
+                              output_tensor_type, stacked=len(shape) == 3 and shape[0] > 1,
+                              name_layer=_layer_of(gguf_name))  # fmt: skip
     return _fallback(new_type, shape[-1])
 
 
@@ -382,7 +391,8 @@ def shape_classes(names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...], n
         counter = counters.get(kind)
         if counter is not None and allowed:  # the counter only matters (and only runs) for quantized defaults
             counters[kind] += 1
-        key = (cat, allowed, shape, None if counter is None else layer_signature(counter, n_layers))
+        key = (cat, allowed, shape, None if counter is None else layer_signature(counter, n_layers),
+               layer_signature(_layer_of(name), n_layers) if kind in FFN_KINDS else None)
         if key not in index:
             index[key] = len(members)
             members.append((name, shape, cat, allowed, counter))

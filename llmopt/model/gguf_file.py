@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
 
 from llmopt.errors import InputError
 from llmopt.model.arch import ArchSpec
+from llmopt.model.dequantize import dequantize
 from llmopt.model.families.base import unpermute_from_gguf
 from llmopt.model.gguf_header import read_gguf
 from llmopt.model.rope import GGUF_ONLY, rope_scaling_from_gguf

@@ -9,7 +9,7 @@ Each 2-D weight of a quantized (or F16) type takes one of these paths:
 * the same types and Q5_0/Q5_1, otherwise -> `NibbleLinear`: the nibbles (and fifth bits) and the
   blocks' own scale fields, W rebuilt one tile of rows at a time with gguf's arithmetic (exact).
 * Q8_0 -> `Int8GroupLinear`: int8 codes and float16 scales, rebuilt per tile (exact).
-* every other type -> `RawGGUFLinear`: the file's block bytes, dequantized by `gguf.quants.dequantize`
+* every other type -> `RawGGUFLinear`: the file's block bytes, dequantized by `model/dequantize.py`
   (the reader's one definition) one tile of rows at a time inside forward (exact, slow).
 
 Embeddings keep the block bytes and dequantize only the looked-up rows. Peak memory is the
@@ -23,10 +23,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize
 from torch import nn
 from torch.nn import functional as F
 
+from llmopt.model.dequantize import dequantize
 from llmopt.model.gguf_file import GGUFSource
 from llmopt.runtime.int4 import KERNEL_DTYPE, PackedInt4Linear, kernel_shape_ok
 
@@ -48,7 +48,7 @@ def raw_rows(source: GGUFSource, name: str) -> tuple[GGMLQuantizationType, torch
 
 
 def dequantize_rows(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> torch.Tensor:
-    """Float32 rows of block bytes [rows, bytes per row] (gguf's reference dequantizer)."""
+    """Float32 rows of block bytes [rows, bytes per row] (the reader's dequantizer)."""
     return torch.from_numpy(dequantize(blocks.numpy(), qtype))
 
 

@@ -90,9 +90,12 @@ def test_inspect_and_convert_read_iq1(iq1_file, llmopt_cli, tmp_path: Path) -> N
             assert torch.equal(converted.load(name, torch.float32), written.load(name, torch.float32))
 
 
-def test_q1_0_file_holds_llama_cpps_values_and_our_reader_refuses_in_one_line(tmp_path: Path) -> None:
-    """Q1_0 (ffn_down): the file's bytes read by llama.cpp's own dequantizer are our grid's values; the
-    `gguf` package cannot dequantize Q1_0, so llmopt's reader refuses the tensor in one line."""
+def test_q1_0_file_holds_llama_cpps_values_and_our_readers_read_them(tmp_path: Path) -> None:
+    """Q1_0 (ffn_down): the file's bytes read by llama.cpp's own dequantizer are our grid's values, and
+    so are what llmopt's reader (`load`) and the runtime's quantized linear read back (the `gguf`
+    package has no Q1_0 dequantizer; model/dequantize.py has)."""
+    from llmopt.runtime.weights import load_model
+
     hf, path, _ = _write(tmp_path, [("ffn_down", "Q1_0")])
     raw = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}["blk.1.ffn_down.weight"]
     assert raw.tensor_type.name == "Q1_0"
@@ -100,5 +103,10 @@ def test_q1_0_file_holds_llama_cpps_values_and_our_reader_refuses_in_one_line(tm
         w = src.load("model.layers.1.mlp.down_proj.weight", torch.float32)
     theirs = ggml_dequantize("Q1_0", np.asarray(raw.data).reshape(w.shape[0], -1))
     assert np.array_equal(theirs, quantize("Q1_0", w).dequantize().numpy())
-    with open_model(path) as written, pytest.raises(InputError, match=r"^[^\n]*Q1_0, which llmopt cannot read$"):
-        written.load("model.layers.1.mlp.down_proj.weight")
+    with open_model(path) as written:
+        assert np.array_equal(written.load("model.layers.1.mlp.down_proj.weight").numpy(), theirs)
+    model = load_model(str(path), "float32", "cpu", gguf_quantized=True).model
+    (layer,) = [m for n, m in model.named_modules()
+                if "layers.1." in n and getattr(getattr(m, "qtype", None), "name", None) == "Q1_0"]
+    x = torch.randn(3, w.shape[1])
+    assert torch.allclose(layer(x), x @ torch.from_numpy(theirs).T, rtol=1e-5, atol=1e-4)

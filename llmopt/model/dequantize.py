@@ -1,0 +1,30 @@
+"""GGML block bytes -> float32 values: the `gguf` package's reference dequantizers, and ours for the
+types it has no class for (Q1_0: gguf 0.19 knows the type id and block size, not the values).
+
+One entry point for every reader (`GGUFSource.load`, the runtime's `RawGGUFLinear`), so a type added
+here is readable everywhere at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+
+def dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Block bytes [..., bytes per row] of type `qtype` -> float32 [..., values per row]."""
+    ours = _OURS.get(qtype.name)
+    return gguf_dequantize(data, qtype) if ours is None else ours(np.asarray(data).view(np.uint8))
+
+
+def _q1_0(data: np.ndarray) -> np.ndarray:
+    """Q1_0 (dequantize_row_q1_0 in ggml-quants.c): 18-byte blocks of an fp16 d and 128 sign bits,
+    value j in bit j%8 of byte j/8; w = +d for a set bit, -d otherwise."""
+    blocks = data.reshape(-1, 18)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    signs = np.unpackbits(blocks[:, 2:], axis=-1, bitorder="little").astype(np.float32) * 2.0 - 1.0
+    return (d * signs).reshape(*data.shape[:-1], data.shape[-1] // 18 * 128)
+
+
+_OURS = {"Q1_0": _q1_0}

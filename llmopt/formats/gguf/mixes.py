@@ -27,7 +27,7 @@ from llmopt.model.families.base import num_experts
 MIXES: tuple[str, ...] = (
     "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
     "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K",
-    "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4_MOE",
+    "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4_MOE", "Q2_K_S",
     "IQ3_M", "IQ3_S", "IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S",
 )  # fmt: skip
 
@@ -41,7 +41,7 @@ DEFAULT_TYPE: dict[str, str] = {
     "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K",
     "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS", "TQ1_0": "TQ1_0", "TQ2_0": "TQ2_0", "MXFP4_MOE": "MXFP4",
     "IQ3_M": "IQ3_S", "IQ3_S": "IQ3_S", "IQ3_XS": "IQ3_S", "IQ3_XXS": "IQ3_XXS", "IQ2_M": "IQ2_S", "IQ2_S": "IQ2_XS",
-    "IQ2_XS": "IQ2_XS", "IQ2_XXS": "IQ2_XXS", "IQ1_M": "IQ1_M", "IQ1_S": "IQ1_S",
+    "IQ2_XS": "IQ2_XS", "IQ2_XXS": "IQ2_XXS", "IQ1_M": "IQ1_M", "IQ1_S": "IQ1_S", "Q2_K_S": "Q2_K",
 }  # fmt: skip
 
 # tensor_type_fallback: what a type becomes when the row length does not divide into its block.
@@ -130,10 +130,11 @@ def _is_70b(arch: ArchSpec) -> bool:
     return arch.family.gguf_arch != "llama" or arch.num_heads != arch.num_kv_heads
 
 
-def requires_imatrix(gguf_name: str, type_name: str) -> bool:
-    """llama-quantize's tensor_requires_imatrix for the mixes here: a very-low-bit i-quant tensor that
-    is not the token embedding or the output."""
-    return type_name in IMATRIX_TYPES and gguf_name not in ("token_embd.weight", "output.weight")
+def requires_imatrix(gguf_name: str, type_name: str, mix: str) -> bool:
+    """llama-quantize's tensor_requires_imatrix: a very-low-bit i-quant tensor, or a Q2_K one in a
+    Q2_K_S file, that is not the token embedding or the output."""
+    needs = type_name in IMATRIX_TYPES or (type_name == "Q2_K" and mix == "Q2_K_S")
+    return needs and gguf_name not in ("token_embd.weight", "output.weight")
 
 
 def _mix_rules(cat: str, new_type: str, mix: str, arch: ArchSpec, row_length: int, i_layer: int, n_layer: int,
@@ -174,6 +175,8 @@ def _mix_rules(cat: str, new_type: str, mix: str, arch: ArchSpec, row_length: in
     if cat in ("attn_v", "attn_qkv", "attn_kv_b"):
         if mix == "Q2_K":
             new_type = "Q4_K" if n_gqa >= 4 else "Q3_K"
+        elif mix == "Q2_K_S" and n_gqa >= 4:
+            new_type = "Q4_K"
         elif mix == "Q3_K_M":
             new_type = "Q5_K" if i_layer < 2 else "Q4_K"
         elif mix == "Q3_K_L":
@@ -194,6 +197,8 @@ def _mix_rules(cat: str, new_type: str, mix: str, arch: ArchSpec, row_length: in
     if cat == "ffn_down":
         if mix == "Q2_K":
             return "Q3_K"
+        if mix == "Q2_K_S":
+            return "Q4_K" if i_layer < n_layer // 8 else new_type
         if mix == "Q3_K_M":
             return "Q5_K" if i_layer < n_layer // 16 else "Q4_K"
         if mix == "Q3_K_L":

@@ -235,9 +235,9 @@ def _check_importance(plan: GgufPlan, importance: Mapping[str, torch.Tensor] | N
     """llama-quantize's refusal, made before a byte is written: a very-low-bit i-quant tensor that
     we round here (not one a calibrated method computed) needs its own importance-matrix entry."""
     for t in plan.tensors:
-        if (requires_imatrix(t.gguf_name, t.type_name) and (importance is None or t.gguf_name not in importance)
+        if (requires_imatrix(t.gguf_name, t.type_name, plan.mix) and (importance is None or t.gguf_name not in importance)
                 and not any(m in computed for m in _modules(t))):  # fmt: skip
-            raise imatrix_required(t.type_name, t.gguf_name)
+            raise imatrix_required(t.type_name if t.type_name != "Q2_K" else f"{plan.mix}'s Q2_K", t.gguf_name)
 
 
 def _modules(planned: PlannedTensor) -> list[str]:

@@ -60,7 +60,7 @@ def test_mix_matches_llama_cpp(sparse_models, key: str, mix: str) -> None:
 
 
 @pytest.mark.parametrize("mix", ["Q4_0", "Q5_0", "Q4_K_M", "Q2_K", "IQ4_XS", "IQ4_NL", "IQ3_XXS", "IQ3_M", "IQ2_XXS",
-                                 "IQ2_M", "IQ1_S", "IQ1_M"])
+                                 "IQ2_M", "IQ1_S", "IQ1_M", "Q2_K_S"])
 def test_mix_with_imatrix_matches_llama_cpp(sparse_models, mix: str) -> None:
     arch, shapes, path = sparse_models["llama-256"]
     ours = plan_shapes(shapes, mix, arch, has_imatrix=True)
@@ -73,12 +73,12 @@ def test_mix_with_imatrix_matches_llama_cpp(sparse_models, mix: str) -> None:
 
 
 @pytest.mark.parametrize("mix", ["IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S",
-                                 "IQ1_M"])
+                                 "IQ1_M", "Q2_K_S", "Q2_K"])
 def test_imatrix_requirement_matches_llama_cpp(sparse_models, tmp_path, mix: str) -> None:
     """llama-quantize refuses a plan with a very-low-bit i-quant tensor (not token_embd/output) and no
     imatrix; `requires_imatrix` says the same for our plan of the model."""
     arch, shapes, path = sparse_models["llama-256"]
-    ours = any(requires_imatrix(name, t) for name, t in plan_shapes(shapes, mix, arch).items())
+    ours = any(requires_imatrix(name, t, mix) for name, t in plan_shapes(shapes, mix, arch).items())
     try:
         llama_quantize(path, tmp_path / "out.gguf", mix)
         theirs = False

@@ -61,7 +61,7 @@ def assert_same_as_llama_cpp(ours: Path, theirs: Path) -> None:
 
 QUANTIZED_MIXES = [m for m in MIXES if m not in ("F16", "BF16")]
 # llama-quantize refuses these without an imatrix (very-low-bit i-quant tensors): tested with one below
-IMATRIX_MIXES = ["IQ3_XXS", "IQ3_XS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S"]
+IMATRIX_MIXES = ["IQ3_XXS", "IQ3_XS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S", "Q2_K_S"]
 
 
 @pytest.mark.parametrize(("family", "mix"), [("llama", m) for m in QUANTIZED_MIXES if m not in IMATRIX_MIXES]
@@ -205,7 +205,7 @@ def test_imatrix_object_feeds_the_writer(wide, tmp_path: Path) -> None:
     assert_same_as_llama_cpp(ours, theirs)
 
 
-@pytest.mark.parametrize("mix", ["IQ2_XXS", "IQ3_XXS", "IQ2_S"])
+@pytest.mark.parametrize("mix", ["IQ2_XXS", "IQ3_XXS", "IQ2_S", "Q2_K_S"])
 def test_llama_quantize_refuses_what_we_refuse_before_writing(wide, tmp_path: Path, mix: str) -> None:
     """Very-low-bit i-quants without an imatrix (ggml itself refuses IQ2_XXS; llama-quantize also
     IQ3_XXS and IQ2_S, and a tensor its imatrix lacks): one line naming the first such tensor and
@@ -219,10 +219,11 @@ def test_llama_quantize_refuses_what_we_refuse_before_writing(wide, tmp_path: Pa
     def needs(has_imatrix: bool) -> list:
         with open_model(hf) as src:
             plan = plan_gguf(src, mix, has_imatrix=has_imatrix)
-        return [t for t in plan.tensors if requires_imatrix(t.gguf_name, t.type_name)]
+        return [t for t in plan.tensors if requires_imatrix(t.gguf_name, t.type_name, plan.mix)]
 
     def first(t) -> str:  # noqa: ANN001
-        return rf"^{t.type_name} needs an importance matrix for {re.escape(t.gguf_name)} [^\n]*$"
+        label = re.escape(f"{mix}'s Q2_K") if t.type_name == "Q2_K" else t.type_name  # (Q2_K needs it only in Q2_K_S)
+        return rf"^{label} needs an importance matrix for {re.escape(t.gguf_name)} [^\n]*$"
 
     with pytest.raises(InputError, match=first(needs(False)[0])):
         write(hf, tmp_path / "out.gguf", mix)

@@ -54,13 +54,31 @@ def test_missing_data_file(llmopt_here, tiny_models, tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_wikitext_perplexity(llmopt_cli, smollm2_hf):
-    """The project's perplexity definition on the fp16 model: transformers gives 25.61."""
-    r = llmopt_cli("eval", smollm2_hf, "--data", WIKITEXT_TEST, "--ctx", "512", "--windows", "40", "--threads", "1", "--json")
+def test_smollm2_wikitext_perplexity_equals_transformers(llmopt_cli, smollm2_hf):
+    """The project's perplexity definition (non-overlapping windows, tokens 1..ctx-1 scored) on the
+    fp16 model, against transformers' float32 forward of the same windows on this machine."""
+    import math
+
+    import torch
+    import transformers
+
+    ctx, windows = 512, 4
+    r = llmopt_cli("eval", smollm2_hf, "--data", WIKITEXT_TEST, "--ctx", str(ctx), "--windows", str(windows),
+                   "--threads", "1", "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
-    data = json.loads(r.stdout)
-    print(f"SmolLM2 fp16 wikitext-2 test perplexity (ctx 512, 40 windows): {data['perplexity']:.4f}")
-    assert 25.4 < data["perplexity"] < 25.8
+    ours = json.loads(r.stdout)["perplexity"]
+    text = open(WIKITEXT_TEST).read()
+    ids = transformers.AutoTokenizer.from_pretrained(smollm2_hf)(text, add_special_tokens=False)["input_ids"]
+    x = torch.tensor(ids[: ctx * windows]).view(windows, ctx)
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_hf, dtype=torch.float32).eval()
+    nll = 0.0
+    with torch.no_grad():
+        for window in x:
+            logp = torch.log_softmax(model(window[None]).logits[0, :-1].float(), dim=-1)
+            nll -= logp.gather(-1, window[1:, None]).sum().item()
+    theirs = math.exp(nll / (windows * (ctx - 1)))
+    print(f"SmolLM2 fp16 wikitext-2 test perplexity (ctx {ctx}, {windows} windows): llmopt {ours:.5f}, transformers {theirs:.5f}")
+    assert abs(ours / theirs - 1) < 1e-4
 
 
 def test_several_files_one_table_and_the_kld_size_plot(llmopt_here, tiny_models, text, tmp_path):

@@ -95,12 +95,13 @@ def test_legacy_bytes_and_dequantization_equal_the_gguf_package(smollm2_hf: Path
             assert np.array_equal(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(ours.shape), ours)
 
 
-@pytest.mark.parametrize("mix", ["IQ3_XXS", "IQ2_XXS"])
+@pytest.mark.parametrize("mix", ["IQ2_XXS"])
 def test_i_quant_mixes_with_an_imatrix(smollm2_hf: Path, smol, tmp_path: Path, mix: str) -> None:
-    """The lattice i-quant mixes, which llama-quantize refuses without an importance matrix: with one
+    """A lattice i-quant mix, which llama-quantize refuses without an importance matrix: with one
     (random, the same for both tools) our file is block-for-block llama_model_quantize's of our F16,
     loads in llama.cpp and answers. (SmolLM2's 576-wide rows fall back to IQ4_NL; ffn_down, 1536
-    wide, is on the lattice types.)"""
+    wide, is on the lattice types.) One mix on the real model (IQ3_XXS took 121 s more of CI); every
+    imatrix mix is byte-checked on a random model in test_writer.py."""
     from tests.formats.gguf.test_writer import blocks
 
     g = torch.Generator().manual_seed(0)

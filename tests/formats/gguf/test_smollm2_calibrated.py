@@ -1,6 +1,10 @@
 """SmolLM2 end to end through the calibrated GGUF paths: `convert --method gptq --type Q4_K_M` and
-the automatic mix (`--target-size`), each loaded by llama.cpp, generating, and scored against the
-float model: both must be closer to it than llama.cpp's own rounding of the same size."""
+the automatic mix (`--target-size`), each loaded by llama.cpp and generating; GPTQ's file is closer
+to the float model than plain rounding of the same types.
+
+Functional tests on SmolLM2 itself, with a small calibration. Its weights sit on a Q4_1 grid, so the
+automatic mix at Q4_K_M's size finds the lossless grid (KL ~2e-6 measured) and says nothing about
+quality here: that claim is measured on the off-grid reference model (benchmarks/, docs/gguf.md)."""
 
 from __future__ import annotations
 
@@ -14,13 +18,13 @@ from tests.quant.smollm2 import DATA
 
 pytestmark = pytest.mark.slow
 
-CALIB = ["--calib", str(DATA / "valid.txt"), "--nsamples", "16", "--seqlen", "256"]
+CALIB = ["--calib", str(DATA / "valid.txt"), "--nsamples", "8", "--seqlen", "128"]
 
 
 def _kld(path: Path, ref: Path) -> float:
     from llmopt.api.evaluate import evaluate
 
-    result, _, _ = evaluate(str(path), str(DATA / "test.txt"), ref=str(ref), ctx=512, windows=8)
+    result, _, _ = evaluate(str(path), str(DATA / "test.txt"), ref=str(ref), ctx=256, windows=8)
     return result.kl_divergence
 
 
@@ -35,7 +39,7 @@ def _generates(path: Path) -> None:
 def test_gptq_onto_q4_k_m_and_the_automatic_mix(llmopt_here, smollm2_hf: Path, tmp_path: Path) -> None:
     plain = tmp_path / "plain.gguf"
     imatrix = tmp_path / "imatrix.gguf"
-    assert llmopt_here("imatrix", smollm2_hf, "--calib", DATA / "valid.txt", "--chunks", "16", "-c", "256",
+    assert llmopt_here("imatrix", smollm2_hf, "--calib", DATA / "valid.txt", "--chunks", "8", "-c", "128",
                        "-o", imatrix).returncode == 0  # fmt: skip
     assert llmopt_here("convert", smollm2_hf, "--to", "gguf", "--type", "Q4_K_M", "--imatrix", imatrix,
                        "-o", plain).returncode == 0  # fmt: skip
@@ -58,5 +62,6 @@ def test_gptq_onto_q4_k_m_and_the_automatic_mix(llmopt_here, smollm2_hf: Path, t
     assert auto.stat().st_size <= target and result["automix"]["predicted_kld"] > 0
     _generates(auto)
 
-    kld = {p.stem: _kld(p, smollm2_hf) for p in (plain, gptq, auto)}
-    assert kld["gptq"] < kld["plain"] and kld["auto"] < kld["plain"], kld
+    kld = {p.stem: _kld(p, smollm2_hf) for p in (plain, gptq)}
+    print(f"SmolLM2 Q4_K_M KL to the float model (ctx 256, 8 windows): {kld}")
+    assert kld["gptq"] < 0.8 * kld["plain"], kld

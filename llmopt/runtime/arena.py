@@ -28,7 +28,7 @@ def pack_contiguously(model: nn.Module) -> int:
     tensors: list[tuple[nn.Module, str, torch.Tensor]] = []
     for module in model.modules():
         for name, t in [*module._parameters.items(), *module._buffers.items()]:
-            if t is not None and t.is_floating_point() and t.device.type == "cpu":
+            if t is not None and t.is_floating_point() and t.device.type == "cpu" and not t.is_mkldnn:  # (oneDNN's own)
                 tensors.append((module, name, t))
     if not tensors:
         return 0

@@ -136,26 +136,34 @@ def test_sliding_window_decode_equals_full_recompute(tiny_models, tmp_path):
     assert Generator(model, tok, prefill_chunk=3).generate(ids, 12, ignore_eos=True).token_ids == greedy_without_cache(model, ids, 12)
 
 
-def test_row_major_layout_gives_same_logits(tiny_models):
-    """The CPU decode layout (x @ W^T with W^T stored) is the same function as nn.Linear."""
+@pytest.mark.parametrize("onednn", [False, True])
+def test_row_major_layout_gives_same_logits(tiny_models, onednn: bool):
+    """The CPU decode layouts (x @ W^T with W^T stored; oneDNN's reordered weight, the tied head kept
+    in slabs) are the same function as nn.Linear, for one row and for a batch."""
     import torch
 
     from llmopt.model import open_model
     from llmopt.model.decoder import Decoder
-    from llmopt.runtime.row_major import RowMajorLinear, TiedEmbedding, use_row_major_linears
+    from llmopt.runtime.row_major import OneDNNLinear, RowMajorLinear, TiedEmbedding, onednn_packs, use_row_major_linears
 
+    if onednn and not onednn_packs(torch.float32):
+        pytest.fail("this torch has no oneDNN: the runtime would fall back to RowMajorLinear")
+    kind = OneDNNLinear if onednn else RowMajorLinear
     for family, tie in (("qwen2", True), ("llama", False)):
         for width in (6144, 64):  # 64: the head (and wider linears) split into slabs
             with open_model(tiny_models(family, tie)) as src:
                 plain = Decoder.from_source(src)
-                fast = use_row_major_linears(Decoder.from_source(src), width)
-            assert isinstance(fast.layers[0].self_attn.qkv, RowMajorLinear)  # q/k/v fused
-            assert isinstance(fast.layers[0].mlp.gate_up, RowMajorLinear) and not hasattr(fast.layers[0].mlp, "up_proj")
+                fast = use_row_major_linears(Decoder.from_source(src), width, onednn=onednn)
+            assert isinstance(fast.layers[0].self_attn.qkv, kind)  # q/k/v fused
+            assert isinstance(fast.layers[0].mlp.gate_up, kind) and not hasattr(fast.layers[0].mlp, "up_proj")
             assert isinstance(fast.embed_tokens, TiedEmbedding) == tie
-            assert (fast.lm_head.weight_t.shape[0] > 1) == (width == 64)
-            ids = torch.randint(0, 300, (1, 17), generator=torch.Generator().manual_seed(3))
-            with torch.no_grad():
-                assert (plain(ids) - fast(ids)).abs().max().item() < 1e-5
+            assert isinstance(fast.lm_head, RowMajorLinear if tie or not onednn else OneDNNLinear)
+            if isinstance(fast.lm_head, RowMajorLinear):
+                assert (fast.lm_head.weight_t.shape[0] > 1) == (width == 64)
+            for batch in (1, 3):
+                ids = torch.randint(0, 300, (batch, 17), generator=torch.Generator().manual_seed(3))
+                with torch.no_grad():
+                    assert (plain(ids) - fast(ids)).abs().max().item() < 1e-5
 
 
 def test_row_major_slabs_pad_an_output_count_with_no_even_split():

@@ -71,8 +71,8 @@ def decode_weight_bytes(model: nn.Module) -> int:
     untied embedding table (a step looks up B of its rows; a tied one is read whole as the LM head)."""
     seen: dict[int, int] = {}
     buffers = [b for name, b in model.named_buffers() if not name.startswith("rotary.")]  # packed int4 weights
-    for t in [*model.parameters(), *buffers]:
-        seen.setdefault(t.data_ptr(), t.nbytes)
+    for t in [*model.parameters(), *buffers]:  # (a oneDNN-reordered weight has no data pointer: keyed by identity)
+        seen.setdefault(id(t) if t.is_mkldnn else t.data_ptr(), t.numel() * t.element_size())
     total = sum(seen.values())
     embed = getattr(model.embed_tokens, "weight", None)
     if isinstance(embed, torch.Tensor) and embed.data_ptr() in seen:

@@ -14,12 +14,14 @@ import transformers
 
 from llmopt.api import convert_to_gguf, convert_to_hf
 from llmopt.errors import InputError
+from llmopt.formats.gguf.mixes import CLASSIC_MIXES, plan_shapes
 from llmopt.model import open_model
 from llmopt.model.decoder import Decoder
 from llmopt.runtime.generate import Generator
 from llmopt.runtime.weights import load_model
 from tests.formats.gguf.llama_cpp_helpers import (assert_same_greedy, assert_same_tensors, assert_same_top1,
-                                                  assert_type_map_equals_llama_quantize, llama_cpp_greedy, llama_cpp_logits)
+                                                  assert_type_map_equals_llama_quantize, llama_cpp_greedy, llama_cpp_logits,
+                                                  llama_dry_run_types, write_sparse_f16_gguf)
 from tests.model.test_qwen2moe import EXPERTS, PER_TOKEN, ids, make_tiny_qwen2moe
 
 
@@ -103,3 +105,28 @@ def test_renormalised_routing_is_not_written_as_gguf(tmp_path) -> None:
     with pytest.raises(InputError, match="norm_topk_prob"):
         convert_to_gguf(path, tmp_path / "m.gguf", "F16")
     assert not (tmp_path / "m.gguf").exists()
+
+
+@pytest.mark.parametrize("mix", [m for m in CLASSIC_MIXES if m not in ("F16", "BF16")] + ["IQ4_XS", "IQ4_NL", "MXFP4_MOE"])
+def test_expert_rules_match_llama_cpp_on_24_layers(tmp_path, mix: str) -> None:
+    """A Qwen1.5-MoE-A2.7B-shaped file (24 layers, 60 experts, 4 per token, no GQA, head_dim 128,
+    experts 1408 wide as published, so their ffn_down rows fall back) narrowed to 512 wide, without
+    data: every IQ-free mix's types, shared expert and its [hidden, 1] gate included, against
+    llama.cpp's dry run (the 24 layers reach its per-layer ffn_down and attn_v rules)."""
+    from llmopt.model.arch import ArchSpec
+    from llmopt.model.families.qwen2moe import QWEN2MOE
+
+    arch = ArchSpec(family=QWEN2MOE, hidden_size=512, num_layers=24, num_heads=4, num_kv_heads=4, head_dim=128,
+                    intermediate_size=5632, vocab_size=512, max_position_embeddings=4096, rope_theta=1e6,
+                    rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=True,
+                    extra={"num_experts": 60, "experts_per_token": 4, "expert_ffn": 1408, "shared_expert_ffn": 5632})  # fmt: skip
+    shapes = {"token_embd.weight": (512, 512)}
+    for i in range(arch.num_layers):
+        shapes.update({gguf_name: shape for _, gguf_name, shape, _ in QWEN2MOE.tensor_shapes(arch, i)})
+    shapes.update({"output_norm.weight": (512,), "output.weight": (512, 512)})
+    assert shapes["blk.3.ffn_down_exps.weight"] == (60, 512, 1408) and shapes["blk.3.ffn_gate_inp_shexp.weight"] == (1, 512)
+    path = write_sparse_f16_gguf(tmp_path / "qwen2moe.gguf", shapes, arch="qwen2moe", hidden=512, ffn=5632, layers=24,
+                                 heads=4, kv_heads=4, experts=(60, 4))  # fmt: skip
+    ours = plan_shapes(shapes, mix, arch)
+    assert ours["blk.0.ffn_gate_inp.weight"] == "F32" and ours["blk.0.ffn_gate_inp_shexp.weight"] == "F32"
+    assert ours == llama_dry_run_types(path, mix)

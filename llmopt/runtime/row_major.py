@@ -63,13 +63,9 @@ class RowMajorLinear(nn.Module):
     @classmethod
     def stacked(cls, linears: list[nn.Linear], width: int = CHUNK_WIDTH) -> RowMajorLinear:
         """One linear computing all of `linears` (same input) side by side in its output."""
-        bias = None
-        if any(lin.bias is not None for lin in linears):
-            bias = torch.cat([lin.bias.detach() if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
-                              for lin in linears])
-        fused = nn.Linear(linears[0].in_features, sum(lin.out_features for lin in linears), bias=bias is not None,
-                          device="meta")
-        fused.weight = nn.Parameter(torch.cat([lin.weight.detach() for lin in linears]), requires_grad=False)
+        weight, bias = stack_linears(linears)
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        fused.weight = nn.Parameter(weight, requires_grad=False)
         if bias is not None:
             fused.bias = nn.Parameter(bias, requires_grad=False)
         return cls(fused, width)
@@ -86,6 +82,16 @@ class RowMajorLinear(nn.Module):
     def column(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` of the original W [out, in] (for a tied embedding lookup)."""
         return self.weight_t[index // self.slab_width, :, index % self.slab_width]
+
+
+def stack_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight and bias of one linear computing all of `linears` (same input) side by side
+    (zeros for a part without a bias; None when none has one)."""
+    bias = None
+    if any(lin.bias is not None for lin in linears):
+        bias = torch.cat([lin.bias.detach() if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
+                          for lin in linears])
+    return torch.cat([lin.weight.detach() for lin in linears]), bias
 
 
 def onednn_packs(dtype: torch.dtype) -> bool:
@@ -106,11 +112,7 @@ class OneDNNLinear(nn.Module):
     @classmethod
     def stacked(cls, linears: list[nn.Linear]) -> OneDNNLinear:
         """One linear computing all of `linears` (same input) side by side in its output."""
-        bias = None
-        if any(lin.bias is not None for lin in linears):
-            bias = torch.cat([lin.bias.detach() if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
-                              for lin in linears])
-        return cls(torch.cat([lin.weight.detach() for lin in linears]), bias)
+        return cls(*stack_linears(linears))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias, "none", [], "")
@@ -136,7 +138,6 @@ def use_row_major_linears(model: Decoder, width: int = CHUNK_WIDTH, onednn: bool
         model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr())
     if onednn is None:
         onednn = onednn_packs(model.lm_head.weight.dtype)
-    kind = OneDNNLinear if onednn else RowMajorLinear
 
     def fuse(linears: list[nn.Linear]) -> nn.Module:
         return OneDNNLinear.stacked(linears) if onednn else RowMajorLinear.stacked(linears, width)
@@ -153,7 +154,7 @@ def use_row_major_linears(model: Decoder, width: int = CHUNK_WIDTH, onednn: bool
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear):
             parent, _, child = name.rpartition(".")
-            if kind is RowMajorLinear or (tied and name == "lm_head"):
+            if not onednn or (tied and name == "lm_head"):
                 swapped = RowMajorLinear(module, width)
             else:
                 swapped = OneDNNLinear(module.weight, module.bias)

@@ -31,7 +31,7 @@ import llmopt
 from llmopt.errors import InputError
 from llmopt.formats.atomic import AtomicFile
 from llmopt.formats.gguf.blocks import pack
-from llmopt.formats.gguf.mixes import check_mix, file_type, gguf_shapes, plan_shapes, requires_imatrix
+from llmopt.formats.gguf.mixes import IMATRIX_TYPES, check_mix, file_type, gguf_shapes, plan_shapes, requires_imatrix
 from llmopt.formats.gguf.types import aligned, ggml_type, tensor_nbytes
 from llmopt.formats.gguf.vocab import vocab_metadata
 from llmopt.model.arch import ArchSpec
@@ -237,7 +237,8 @@ def _check_importance(plan: GgufPlan, importance: Mapping[str, torch.Tensor] | N
     for t in plan.tensors:
         if (requires_imatrix(t.gguf_name, t.type_name, plan.mix) and (importance is None or t.gguf_name not in importance)
                 and not any(m in computed for m in _modules(t))):  # fmt: skip
-            raise imatrix_required(t.type_name if t.type_name != "Q2_K" else f"{plan.mix}'s Q2_K", t.gguf_name)
+            # (a type that needs one only in some mixes, Q2_K in Q2_K_S, is named with its mix)
+            raise imatrix_required(t.type_name if t.type_name in IMATRIX_TYPES else f"{plan.mix}'s {t.type_name}", t.gguf_name)
 
 
 def _modules(planned: PlannedTensor) -> list[str]:

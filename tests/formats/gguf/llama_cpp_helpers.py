@@ -241,17 +241,28 @@ def llama_cpp_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
 TIE = 1e-2  # two logits closer than this are a tie that another kernel's rounding may break either way
 
 
+def first_difference(ours: list[int], theirs: list[int]) -> int | None:
+    """The index of the first token where two greedy runs of one length differ (None: equal)."""
+    assert len(ours) == len(theirs)
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+
+
+def assert_near_tie(first: int, length: int, gap: float) -> None:
+    """A greedy split allowed between two engines: at least half the tokens agree before it, and the
+    two tokens' logits are within TIE there, so the check keeps its teeth."""
+    assert first >= length // 2 and gap < TIE, (first, gap)
+
+
 def assert_same_greedy(path: Path, prompt: list[int], ours: list[int], theirs: list[int]) -> None:
     """Our greedy continuation on `path` equals llama.cpp's, except that one may break a near-tie the
     other way: the first differing token must be one our decoder, fed llama.cpp's tokens, ranks within
-    TIE of its top, and at least half the tokens must agree before it, so the check keeps its teeth."""
+    TIE of its top (`assert_near_tie`)."""
     import torch
 
     from llmopt.model import open_model
     from llmopt.model.decoder import Decoder
 
-    assert len(ours) == len(theirs)
-    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    first = first_difference(ours, theirs)
     if first is None:
         return
     with open_model(path) as src, torch.no_grad():
@@ -259,4 +270,4 @@ def assert_same_greedy(path: Path, prompt: list[int], ours: list[int], theirs: l
     gap = (logits.max() - logits[theirs[first]]).item()
     print(f"greedy diverges at token {first}/{len(ours)}: ours {ours[first]}, llama.cpp {theirs[first]}, "
           f"our logit gap {gap:.3g}")
-    assert first >= len(ours) // 2 and gap < TIE, (first, gap)
+    assert_near_tie(first, len(ours), gap)

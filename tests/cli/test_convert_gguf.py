@@ -50,6 +50,8 @@ def test_dry_run_table(llmopt_here, wide_hf: Path) -> None:  # noqa: F811
     (["--type", "F16", "--method", "gptq", "-o", "/tmp/never.gguf"], "rounds onto quantized types; F16 has none"),
     (["--type", "Q4_K_M", "--method", "gptq", "--act-order", "-o", "/tmp/never.gguf", "--nsamples", "2",
       "--seqlen", "16"], "--act-order onto Q4_K needs --static-groups"),
+    (["--type", "Q2_K_S", "-o", "/tmp/never.gguf"], "Q2_K_S's Q2_K needs an importance matrix for blk.0."),
+    (["--type", "IQ3_XXS", "-o", "/tmp/never.gguf"], "needs an importance matrix for blk.0."),
 ])
 def test_bad_input_is_one_line_exit_2(llmopt_here, wide_hf: Path, args: list[str], message: str) -> None:  # noqa: F811
     res = llmopt_here("convert", wide_hf, "--to", "gguf", *args)

@@ -209,7 +209,7 @@ def needs_imatrix(hf: Path, mix: str) -> bool:
     from llmopt.model import open_model
 
     with open_model(hf) as src:
-        return any(requires_imatrix(t.gguf_name, t.type_name) for t in plan_gguf(src, mix).tensors)
+        return any(requires_imatrix(t.gguf_name, t.type_name, mix) for t in plan_gguf(src, mix).tensors)
 
 
 def bench_model(model: str, hf: Path, work: Path, types: list[str], threads: int, args, rows: list, report: dict) -> None:  # noqa: ANN001

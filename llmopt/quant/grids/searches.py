@@ -14,6 +14,10 @@ C reference step by step so the same inputs give the same levels:
 
 from __future__ import annotations
 
+from functools import cache
+from types import ModuleType
+
+import numpy as np
 import torch
 
 from llmopt.quant.grids.numerics import (
@@ -34,6 +38,24 @@ from llmopt.quant.grids.numerics import (
 
 
 QX_SLICE_ELEMENTS = 1 << 18  # make_qx_quants measures its 19 trials at once on slices of blocks this big (x 19)
+COMPILED = True  # run the searches that have one through their numba kernel (compiled.py) on CPU tensors
+
+
+@cache
+def _kernels() -> ModuleType:
+    """compiled.py, imported (with numba) on the first search that uses it."""
+    from llmopt.quant.grids import compiled
+
+    return compiled
+
+
+def _use_compiled(x: torch.Tensor) -> bool:
+    return COMPILED and x.device.type == "cpu" and x.shape[1] > 0
+
+
+def _f32(t: torch.Tensor) -> np.ndarray:
+    """A float32 C-contiguous numpy view (or copy) of a CPU tensor, for the kernels."""
+    return t.detach().to(torch.float32).contiguous().numpy()
 
 
 def make_qx_quants(x: torch.Tensor, nmax: int, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,12 +66,17 @@ def make_qx_quants(x: torch.Tensor, nmax: int, weights: torch.Tensor | None = No
     sequential, as in C, and the chosen trial's levels are recomputed at the end."""
     n, blocks = x.shape
     w = x * x if weights is None else weights
+    numerators = [float(nmax)] + [c_step(nmax, 0.1, s) for s in range(-9, 10) if s != 0]
+    if _use_compiled(x):
+        scale, levels = torch.empty(blocks), torch.empty(n, blocks)
+        _kernels().qx_search(_f32(x), _f32(w), nmax, np.array(numerators, np.float32), np.float32(GROUP_MAX_EPS),
+                             scale.numpy(), levels.numpy())  # fmt: skip
+        return scale, levels
     mx = first_absmax(x)
     zero = x.abs().amax(dim=0) < GROUP_MAX_EPS
     mx_safe = torch.where(zero, torch.ones_like(mx), mx)
     wx = w * x
     # trial 0 is the plain scale -nmax/max, then -(nmax + 0.1·is)/max for is = -9..-1, 1..9, in C's order
-    numerators = [float(nmax)] + [c_step(nmax, 0.1, s) for s in range(-9, 10) if s != 0]
     iscales = torch.stack([rdiv(-v, mx_safe) for v in numerators])  # [T, B]
     trials = len(numerators)
     sums = torch.empty(2, trials, blocks, device=x.device)  # Σ w·x·l and Σ w·l·l per trial and block
@@ -138,6 +165,12 @@ def make_qkx_quants(
     within a trial the three weighted sums share one pass ([n, 3, blocks], summed in index order).
     """
     w = weights
+    if _use_compiled(x):
+        n, blocks = x.shape
+        numerators = np.array([c_float(c_step(rmin, rdelta, s) + nmax) for s in range(nstep + 1)], np.float32)
+        scale, the_min, levels = torch.empty(blocks), torch.empty(blocks), torch.empty(n, blocks)
+        _kernels().qkx_search(_f32(x), _f32(w), nmax, numerators, use_mad, scale.numpy(), the_min.numpy(), levels.numpy())
+        return scale, the_min, levels
     mn = c_min(x)
     mn = torch.where(mn > 0, torch.zeros_like(mn), mn)
     mx = c_max(x)

@@ -1,0 +1,52 @@
+"""The numba searches (grids/compiled.py) against the torch ones they replace on CPU: equal bit for bit.
+
+(Both are also checked against llama.cpp's bytes through the grids in test_grids.py; this test pins
+the two paths to each other on the awkward cases, so the torch path, which CUDA tensors take, stays
+exact too.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import llmopt.quant.grids.searches as searches
+from llmopt.quant.grids.numerics import blocks_major
+from tests.quant.grids.test_grids import edge_weights, importance
+
+
+def _blocks(n: int) -> torch.Tensor:
+    return blocks_major(edge_weights(24, 512), n)
+
+
+def _both(fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    searches.COMPILED = False
+    try:
+        ref = fn(*args, **kwargs)
+    finally:
+        searches.COMPILED = True
+    return ref, fn(*args, **kwargs)
+
+
+def _assert_bits_equal(ref: tuple[torch.Tensor, ...], got: tuple[torch.Tensor, ...]) -> None:
+    for a, b in zip(ref, got, strict=True):
+        assert a.shape == b.shape
+        # levels and scales bit for bit; +0 and -0 alike (C's accumulators start at +0.0f), NaN where the
+        # other has NaN (all-denormal blocks: the grids replace those levels)
+        torch.testing.assert_close(b.float(), a.float(), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize(("nmax", "search", "mad"), [(15, (-1.0, 0.1, 20), False), (31, (-0.5, 0.1, 15), False),
+                                                     (3, (-0.5, 0.1, 15), True), (15, (-0.9, 0.05, 36), False)])  # fmt: skip
+@pytest.mark.parametrize("weighted", [False, True])
+def test_qkx_search_equals_torch(nmax: int, search: tuple[float, float, int], mad: bool, weighted: bool) -> None:
+    x = _blocks(32)
+    w = x.abs() + 0.01 if not weighted else blocks_major(importance("random").repeat(24, 1), 32) * x.abs()
+    _assert_bits_equal(*_both(searches.make_qkx_quants, x, w, nmax, *search, use_mad=mad))
+
+
+@pytest.mark.parametrize(("n", "nmax"), [(16, 32), (32, 8), (32, 16), (16, 4)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_qx_search_equals_torch(n: int, nmax: int, weighted: bool) -> None:
+    x = _blocks(n)
+    w = blocks_major(importance("random").repeat(24, 1), n) if weighted else None
+    _assert_bits_equal(*_both(searches.make_qx_quants, x, nmax, w))

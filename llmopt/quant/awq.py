@@ -36,6 +36,7 @@ from torch import nn
 
 from llmopt.calibration.hessian import HessianAccumulator
 from llmopt.errors import InputError
+from llmopt.model.families.base import Stage
 from llmopt.quant.gptq import GPTQ, GPTQConfig
 from llmopt.quant.grids import Grid, IntGrid
 from llmopt.quant.method import BlockAccess, BlockChanges, Collector, Quantized
@@ -117,17 +118,33 @@ def weight_mean(w: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
     return scaled.mean(dim=0)
 
 
-def best_scales(weights: list[torch.Tensor], stats: ActivationStats, grid: Grid, cfg: AWQConfig,
-                ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
-    """The α grid search: the scales with the least output error of the stage's linears, and what
-    the search saw (α, the error unscaled and scaled)."""
-    h = stats.value()
-    x_mean = stats.abs_mean.to(h.device)
-    stacked = torch.cat(weights)
-    w_mean = weight_mean(stacked, group_bounds(stacked.shape[1], grid))
+@dataclass
+class ScaledStage:
+    """One stage's part in a scale search: its linears' float weights, its input statistics, its grid."""
+
+    weights: list[torch.Tensor]
+    stats: ActivationStats
+    grid: Grid
+
+
+def best_scales(parts: list[ScaledStage], cfg: AWQConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """The α grid search over the stages that read one producer (one stage in a dense block; every
+    expert's gate/up in a MoE block): the scales with the least output error of their linears, and
+    what the search saw (α, the error unscaled and scaled). Each stage's error is weighed by its share
+    of the tokens (an expert's routed tokens), so the sum is the squared output error over every token
+    each linear saw; mean |x| pools the stages' tokens (each token reaches top-k experts: the pooled
+    mean is the norm output's own)."""
+    total = sum(p.stats.tokens for p in parts)
+    x_mean = (sum(p.stats.abs_sum for p in parts) / max(total, 1)).to(torch.float32)
+    hs = [p.stats.value() for p in parts]
+    shares = [p.stats.tokens / total for p in parts]
+    x_mean = x_mean.to(hs[0].device)
+    stacked = torch.cat([w for p in parts for w in p.weights])
+    w_mean = weight_mean(stacked, group_bounds(stacked.shape[1], parts[0].grid))
 
     def error(s: torch.Tensor) -> float:
-        return sum(output_error(w - fake_quantize(grid, w * s) / s, h) for w in weights)
+        return sum(share * sum(output_error(w - fake_quantize(p.grid, w * s) / s, h) for w in p.weights)
+                   for p, h, share in zip(parts, hs, shares))  # fmt: skip
 
     plain = error(torch.ones_like(x_mean))
     best, best_s, best_ratio = float("inf"), torch.ones_like(x_mean), 0.0
@@ -201,31 +218,36 @@ class AWQ:
         cfg = self.config
         changed: set[str] = set()
         scaled_h: dict[str, torch.Tensor] = {}
+        seen: dict[str, int] = {}  # per linear: the calibration tokens it saw (an expert: those routed to it)
         self.importance.clear()
         self.details.clear()
-        for stage, stats in zip(block.stages, block.stats):
-            consumers = [block.module(n) for n in stage.linears]
-            weights = [m.weight.data.float() for m in consumers]
-            grid = search_grid(block.grid(stage.linears[0]))
-            producer = block.module(stage.producer)
-            h = stats.value()
-            fold = _foldable(producer, consumers[0], block.name(stage.producer))
+        for producer_name, members in _by_producer(block):
+            producer = block.module(producer_name)
+            consumers = [block.module(n) for stage, _ in members for n in stage.linears]
+            parts = [ScaledStage([block.module(n).weight.data.float() for n in stage.linears], stats,
+                                 search_grid(block.grid(stage.linears[0]))) for stage, stats in members if stats.tokens]  # fmt: skip
+            fold = _foldable(producer, consumers[0], block.name(producer_name)) and bool(parts)
             info: dict[str, float] = {}
             if fold:
-                s, info = best_scales(weights, stats, grid, cfg)
+                s, info = best_scales(parts, cfg)
                 _fold(producer, s)
-                for m in consumers:
+                readers = block.readers.get(producer_name, ())
+                for m in consumers + [block.module(r) for r in readers]:  # the router reads x / s too
                     m.weight.data = (m.weight.data.float() * s).to(m.weight.dtype)
-                if not isinstance(producer, nn.Linear):
-                    changed.add(stage.producer)
-                h = h / s.unsqueeze(1) / s.unsqueeze(0)  # the inputs are now x / s
-            for name in stage.linears:
-                scaled_h[name] = h
-                self.details[block.name(name)] = dict(info)
+                if not isinstance(producer, nn.Linear) or getattr(producer, "bias", None) is not None:
+                    changed.add(producer_name)  # a norm; a linear's bias (its weight is quantized anyway)
+                changed.update(readers)
+            for stage, stats in members:
+                h = stats.value()
+                if fold:
+                    h = h / s.unsqueeze(1) / s.unsqueeze(0)  # the inputs are now x / s
+                for name in stage.linears:
+                    scaled_h[name], seen[name] = h, stats.tokens
+                    self.details[block.name(name)] = dict(info)
         if cfg.clip:
             for stage in block.stages:
                 for name in stage.linears:
-                    if name in block.score_linears:  # their errors meet in q·k: clipping misjudges them
+                    if name in block.score_linears or not seen[name]:  # q·k misjudges; no tokens: nothing to clip by
                         continue
                     m = block.module(name)
                     grid = search_grid(block.grid(name))
@@ -233,7 +255,12 @@ class AWQ:
                     m.weight.data = clipped.to(m.weight.dtype)
                     self.details[block.name(name)].update(info)
         for name, h in scaled_h.items():
-            self.importance[block.name(name)] = torch.diag(h).clone()
+            details = self.details[block.name(name)]
+            details["calibration_tokens"] = seen[name]
+            if seen[name]:
+                self.importance[block.name(name)] = torch.diag(h).clone()
+            else:  # an expert no calibration token reached: no scale, no clip, rounded to nearest
+                details["rtn_fallback"] = 1
         return BlockChanges(changed)
 
     def quantize_stage(self, weights: dict[str, torch.Tensor], grids: dict[str, Grid],
@@ -256,6 +283,19 @@ class AWQ:
         if self.gptq is not None:
             out["gptq"] = self.gptq.provenance()
         return out
+
+
+def _by_producer(block: BlockAccess) -> list[tuple[str, list[tuple[Stage, ActivationStats]]]]:
+    """The stages grouped by the module whose output they read, in stage order: one scale serves them
+    all, as it is folded into that one module (a MoE block's experts all read its post-attention norm).
+    A stage whose forward never ran gets empty statistics."""
+    groups: dict[str, list[tuple[Stage, ActivationStats]]] = {}
+    for stage, st in zip(block.stages, block.stats):
+        if st is None:
+            weight = block.module(stage.linears[0]).weight
+            st = ActivationStats(weight.shape[1], weight.device)
+        groups.setdefault(stage.producer, []).append((stage, st))
+    return list(groups.items())
 
 
 def _foldable(producer: nn.Module, consumer: nn.Module, producer_name: str) -> bool:

@@ -12,7 +12,7 @@ method) and a class with these members, named in `llmopt.quant.spec.METHODS`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -49,6 +49,8 @@ class BlockAccess:
     stats: list[Collector]  # one per stage, over the unquantized block's forward
     grids: Callable[[str], Grid]  # HF module name -> its grid
     score_linears: tuple[str, ...]  # linears whose outputs meet in attention scores (q, k)
+    # producer -> block-relative modules that read its output but belong to no stage (a MoE router)
+    readers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def name(self, module: str) -> str:
         """The HF name of a block-relative module."""
@@ -64,7 +66,8 @@ class BlockAccess:
 @dataclass
 class BlockChanges:
     """What `transform_block` changed besides the linears it will quantize: block-relative names of
-    modules whose float weights a writer must take from the pipeline, not the source (norms)."""
+    modules whose float tensors a writer must take from the pipeline, not the source (norms, a MoE
+    router, the bias of a linear that AWQ folded scales into; a quantized linear's weight is its codes)."""
 
     modules: set[str] = field(default_factory=set)
 

@@ -185,9 +185,9 @@ def _chunks(n: int, size: int) -> list[slice]:
 def _calibrated(source: ModelSource, spec: QuantizeSpec, method: Method, tokens: torch.Tensor,
                 device: torch.device) -> Iterator[BlockResult]:  # fmt: skip
     arch = source.arch
-    if arch.family.experts is not None and (method.full_precision_inputs or hasattr(method, "block_collector")):
+    if arch.family.experts is not None and method.full_precision_inputs:
         raise OptionError(f"<method> {method.name}: with its options it is not supported for mixture-of-experts "
-                          f"models ({arch.family.name}); GPTQ (without fp_target) and RTN are")  # fmt: skip
+                          f"models ({arch.family.name}); GPTQ without fp_target, AWQ and RTN are")  # fmt: skip
     x = embed(source, tokens, torch.float32, device)  # [n, t, hidden]: the current block's inputs
     x_fp = x.clone() if method.full_precision_inputs else None  # the same, through the unquantized model
     n, t = tokens.shape
@@ -220,6 +220,7 @@ def _calibrated_block(source: ModelSource, spec: QuantizeSpec, method: Method, l
     def forward(i: int) -> torch.Tensor:
         return run(x[chunks[i]], cos, sin)
 
+    experts = source.arch.family.experts
     if hasattr(method, "block_collector"):  # a method that changes the block first (AWQ)
         _transform(block, run, layer, source, spec, method, forward, len(chunks), result)
     fp_inputs = _stage_inputs(run, stages, x_fp, chunks, cos, sin) if x_fp is not None else None
@@ -227,10 +228,15 @@ def _calibrated_block(source: ModelSource, spec: QuantizeSpec, method: Method, l
     if not method.stage_statistics:  # rounding needs no statistics of the stages' inputs: no staged pass
         for stage in stages:
             _quantize_stage(block, run, layer, stage, spec, method, None, result)
+        if experts is not None:  # the tokens each expert saw, as the method reports them (AWQ's transform)
+            prefix = f"model.layers.{layer}."
+            _warn_routed(layer, {r.name.removeprefix(prefix).rpartition(".")[0]: int(r.details["calibration_tokens"])
+                                 for r in result.reports if r.name.startswith(f"{prefix}{experts.module}.")
+                                 and "calibration_tokens" in r.details}, x.shape[-1])  # fmt: skip
         for i in range(len(chunks)):  # the block's outputs with every weight quantized
             x[chunks[i]] = forward(i)
     else:
-        experts, routed = source.arch.family.experts, {}  # each MoE expert: the calibration tokens routed to it
+        routed = {}  # each MoE expert: the calibration tokens routed to it
         with StagedForward(run, stages, forward, len(chunks)) as staged:
             for k, stage in enumerate(stages):
                 stats, seen = None, 0
@@ -283,13 +289,17 @@ def _transform(block: nn.Module, run: nn.Module, layer: int, source: ModelSource
                 if stats[k] is None:
                     stats[k] = method.block_collector(inp.shape[-1], inp.device)
                 stats[k].add(inp)
-    access = BlockAccess(layer, block, family.stages, stats, spec.grid_for, family.score_linears)
+    readers = family.experts.readers() if family.experts is not None else {}
+    access = BlockAccess(layer, block, family.stages, stats, spec.grid_for, family.score_linears, readers)
     changes = method.transform_block(access)
     if run is not block:
         for (_, mine), (_, master) in zip(run.named_parameters(), block.named_parameters()):
             mine.data = master.data.to(mine.dtype)
+    quantized = {lin for stage in family.stages for lin in stage.linears}
     for module in sorted(changes.modules):
         for pname, p in block.get_submodule(module).named_parameters():
+            if module in quantized and pname == "weight":  # written from the method's codes, not as a float
+                continue
             result.updated[f"model.layers.{layer}.{module}.{pname}"] = p.data.detach().to("cpu", torch.float32).clone()
 
 

@@ -105,10 +105,12 @@ def test_gptq_onto_the_q4_k_m_grids_runs_in_llama_cpp(mixtral, tmp_path) -> None
     assert_same_top1(ours, theirs, "mixtral GPTQ Q4_K_M", atol=0.05)
 
 
-def test_awq_is_refused_for_experts_with_a_one_line_error(mixtral, tmp_path) -> None:
-    """AWQ folds one scale per producer, and every expert reads the same norm: refused before any work."""
+def test_gptaq_is_refused_for_experts_with_a_one_line_error(mixtral, tmp_path) -> None:
+    """GPTAQ needs each stage's inputs in the full-precision model, which routes tokens differently:
+    refused before any work (AWQ and GPTQ run: tests/quant/test_awq_moe.py, above)."""
     from llmopt.errors import OptionError
 
     with pytest.raises(OptionError, match="mixture-of-experts"):
-        quantize(mixtral, tmp_path / "awq", method="awq", bits=4, group_size=32, calib=_calib(tmp_path), nsamples=2, seqlen=16)
-    assert not (tmp_path / "awq").exists()
+        quantize(mixtral, tmp_path / "g", method="gptq", gptaq=0.25, bits=4, group_size=32, calib=_calib(tmp_path),
+                 nsamples=2, seqlen=16)  # fmt: skip
+    assert not (tmp_path / "g").exists()

@@ -66,6 +66,7 @@ class Experts:
     # with one output (GGUF ffn_gate_inp_shexp)
     shared: str | None = None
     shared_gate: str | None = None
+    norm: str = "post_attention_layernorm"  # the block-relative norm whose output the router and the experts read
 
     def linears(self) -> tuple[tuple[str, str], ...]:
         """(expert-relative linear, llama.cpp's name of its stack) in forward order."""
@@ -77,9 +78,14 @@ class Experts:
         shared expert's two, which read every token."""
         out = []
         for expert in [f"{self.module}.{e}" for e in range(count)] + ([self.shared] if self.shared else []):
-            out += [Stage((f"{expert}.{self.gate}", f"{expert}.{self.up}"), "post_attention_layernorm", expert),
+            out += [Stage((f"{expert}.{self.gate}", f"{expert}.{self.up}"), self.norm, expert),
                     Stage((f"{expert}.{self.down}",), f"{expert}.{self.up}", f"{expert}.{self.down}")]
         return tuple(out)
+
+    def readers(self) -> dict[str, tuple[str, ...]]:
+        """The norm -> the modules that read it besides the experts' linears and are never quantized (the
+        router, the shared expert's gate): a method that rescales the norm's output (AWQ) rescales them."""
+        return {self.norm: (self.router,) + ((self.shared_gate,) if self.shared_gate else ())}
 
     def stacks(self) -> dict[str, str]:
         """Block-relative HF suffix -> GGUF suffix of the router, each stacked kind and the shared expert's tensors."""

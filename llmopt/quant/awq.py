@@ -97,7 +97,7 @@ def search_grid(grid: Grid) -> Grid:
 
 
 def fake_quantize(grid: Grid, w: torch.Tensor) -> torch.Tensor:
-    return grid.quantize(w).dequantize(torch.float32)
+    return grid.round_trip(w) if isinstance(grid, IntGrid) else grid.quantize(w).dequantize(torch.float32)
 
 
 def output_error(delta: torch.Tensor, h: torch.Tensor) -> float:
@@ -171,9 +171,15 @@ def best_clip(w: torch.Tensor, h: torch.Tensor, grid: Grid, cfg: AWQConfig) -> t
     col_group = torch.cat([torch.full((e - s,), g, dtype=torch.long) for g, (s, e) in enumerate(bounds)]).to(w.device)
     org_max = torch.stack([w[:, s:e].abs().amax(dim=1) for s, e in bounds], dim=1)  # [rows, G]
 
+    width = max(e - s for s, e in bounds)
+    pad = len(bounds) * width - cols  # a partial last group: zero columns and a zero block of H add nothing
+    blocks = torch.zeros(len(bounds), width, width, dtype=h.dtype, device=h.device)  # [G, gs, gs] diagonal blocks
+    for g, (s, e) in enumerate(bounds):
+        blocks[g, : e - s, : e - s] = h[s:e, s:e]
+
     def group_errors(q: torch.Tensor) -> torch.Tensor:  # [rows, G]
-        d = w - q
-        return torch.stack([((d[:, s:e] @ h[s:e, s:e]) * d[:, s:e]).sum(dim=1) for s, e in bounds], dim=1)
+        d = torch.nn.functional.pad(w - q, (0, pad)).view(rows, len(bounds), width).transpose(0, 1)  # [G, rows, gs]
+        return (torch.bmm(d, blocks) * d).sum(dim=2).t()
 
     best_err = torch.full_like(org_max, float("inf"))
     best_max = org_max.clone()

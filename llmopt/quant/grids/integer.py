@@ -79,18 +79,33 @@ class IntGrid:
             scale, zero = self.params(w.reshape(1, -1))
             codes = self.quantize_with(w, scale.expand(rows), zero.expand(rows))
             return self._result(codes, scale.view(1, 1), zero.view(1, 1))
+        groups = self._groups(w)
+        scale, zero = self.params(groups)
+        codes = self.quantize_with(groups, scale, zero).view(rows, -1)[:, :cols]
+        n = groups.shape[0] // rows
+        return self._result(codes, scale.view(rows, n), zero.view(rows, n))
+
+    def round_trip(self, weight: torch.Tensor) -> torch.Tensor:
+        """`quantize(weight).dequantize()`, the same float32 values, without forming codes and per-column
+        parameters: AWQ's searches round every candidate of every linear."""
+        w = weight.to(torch.float32)
+        if self.group_size == 0:
+            return self.quantize(w).dequantize(torch.float32)
+        groups = self._groups(w)
+        scale, zero = self.params(groups)
+        return self.fake_quantize(groups, scale, zero).view(w.shape[0], -1)[:, : w.shape[1]]
+
+    def _groups(self, w: torch.Tensor) -> torch.Tensor:
+        """`w` [rows, cols] as [rows * groups, group columns], the last group padded."""
+        rows, cols = w.shape
         g = cols if self.group_size < 0 else self.group_size
         n = group_count(cols, self.group_size)
         pad = n * g - cols
-        wp = torch.nn.functional.pad(w, (0, pad)) if pad else w
-        groups = wp.view(rows, n, g).reshape(rows * n, g)
-        if pad:  # padding columns must not widen a group's range: repeat a real value instead of 0
-            groups = groups.clone().view(rows, n, g)
-            groups[:, -1, g - pad:] = groups[:, -1, : 1].expand(rows, pad)
-            groups = groups.view(rows * n, g)
-        scale, zero = self.params(groups)
-        codes = self.quantize_with(groups, scale, zero).view(rows, n * g)[:, :cols]
-        return self._result(codes, scale.view(rows, n), zero.view(rows, n))
+        if not pad:
+            return w.reshape(rows * n, g)
+        groups = torch.nn.functional.pad(w, (0, pad)).view(rows, n, g)
+        groups[:, -1, g - pad:] = groups[:, -1, : 1].expand(rows, pad)  # repeat a real value: the range stays the group's
+        return groups.view(rows * n, g)
 
     def _result(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 g_idx: torch.Tensor | None = None) -> QuantizedTensor:  # fmt: skip

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from llmopt.errors import InputError
-from llmopt.quant.grids.numerics import blocks_major, nearest_int, seq_sum
+from llmopt.quant.grids.numerics import blocks_major, seq_sum
+from llmopt.quant.grids.searches import requantize_rows
 from llmopt.quantized_tensor import QuantizedTensor
 
 QK_K = 256  # elements per K-quant super-block
@@ -174,15 +175,14 @@ class BlockGrid:
 
 def scale_min_fields(x: torch.Tensor, L: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor,
                      m: torch.Tensor, nmax: int, rows: int) -> dict[str, torch.Tensor]:  # fmt: skip
-    """Q2_K/Q4_K/Q5_K: requantize every sub-block against its stored scale d·sc and min dmin·m
-    (sub-blocks whose scale is zero keep the search's levels), then the raw fields by row."""
+    """Q2_K/Q4_K/Q5_K: requantize every sub-block (x, L: [sub-blocks, n] by rows) against its stored
+    scale d·sc and min dmin·m (sub-blocks whose scale is zero keep the search's levels L), then the
+    raw fields by row."""
     n_sub = sc.numel() // d.numel()
     dd = per_block(d, n_sub) * sc
     dm = per_block(dmin, n_sub) * m
-    requant = nearest_int((x + dm) / torch.where(dd == 0, torch.ones_like(dd), dd)).clamp_(0, nmax)
-    L = torch.where(dd == 0, L, requant)
     return {
-        "codes": to_rows(L, rows).to(torch.uint8),
+        "codes": requantize_rows(x, L, dd, dm, 0, nmax).reshape(rows, -1),
         "d": d.reshape(rows, -1).to(torch.float16),
         "dmin": dmin.reshape(rows, -1).to(torch.float16),
         "sc": sc.reshape(rows, -1).to(torch.uint8),

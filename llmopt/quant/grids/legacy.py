@@ -14,7 +14,7 @@ import torch
 
 from llmopt.quant.grids.layout import BlockGrid, importance_major, to_rows
 from llmopt.quant.grids.numerics import blocks_major, c_max, c_min, c_sqrt, first_absmax, rdiv, seq_sum
-from llmopt.quant.grids.searches import make_qkx_quants, make_qx_quants
+from llmopt.quant.grids.searches import compiled_for, make_qkx_quants, make_qx_quants
 from llmopt.quantized_tensor import QuantizedTensor
 
 QK = 32
@@ -47,6 +47,10 @@ class SymmetricGrid(BlockGrid):
     def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         rows = w.shape[0]
         half = 1 << (self.bits - 1)
+        if importance is None and (kernels := compiled_for(w)) is not None:
+            codes, d = torch.empty(w.shape, dtype=torch.uint8), torch.empty(w.numel() // QK)
+            kernels.symmetric_rows(w.reshape(-1, QK).numpy(), half, codes.view(-1, QK).numpy(), d.numpy())
+            return {"codes": codes, "d": d.to(torch.float16).reshape(rows, -1)}
         if importance is None:  # row-major [blocks, 32]: no transposes on this simple path
             x = w.reshape(-1, QK)
             d = first_absmax(x.t()) / -half
@@ -77,7 +81,10 @@ class AffineGrid(BlockGrid):
     def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         rows = w.shape[0]
         levels = (1 << self.bits) - 1
-        if importance is None:  # row-major [blocks, 32]
+        if importance is None and (kernels := compiled_for(w)) is not None:
+            q, d, m = torch.empty(w.shape, dtype=torch.uint8), torch.empty(w.numel() // QK), torch.empty(w.numel() // QK)
+            kernels.affine_rows(w.reshape(-1, QK).numpy(), levels, q.view(-1, QK).numpy(), d.numpy(), m.numpy())
+        elif importance is None:  # row-major [blocks, 32]
             x = w.reshape(-1, QK)
             mx, mn = c_max(x.t()), c_min(x.t())
             d = (mx - mn) / levels
@@ -113,6 +120,10 @@ class Q8Grid(BlockGrid):
 
     def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         rows = w.shape[0]
+        if (kernels := compiled_for(w)) is not None:
+            codes, d = torch.empty(w.shape, dtype=torch.uint8), torch.empty(w.numel() // QK)
+            kernels.q8_0_rows(w.reshape(-1, QK).numpy(), codes.view(-1, QK).numpy(), d.numpy())
+            return {"codes": codes, "d": d.to(torch.float16).reshape(rows, -1)}
         x = w.reshape(-1, QK)
         d = x.abs().amax(dim=1) / 127
         q = _round_away(x * _inverse(d)[:, None]).add_(128)

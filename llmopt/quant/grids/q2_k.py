@@ -50,7 +50,7 @@ class Q2KGrid(BlockGrid):
             m_block, m = make_qp_quants(mins.reshape(-1, N_SUB).t().contiguous(), 15, sw_sb)
             sc, m = sc.t().reshape(-1), m.t().reshape(-1)
             d, dmin = fp16(d_block), fp16(m_block)
-        return scale_min_fields(x, L, d, dmin, sc, m, 3, rows)
+        return scale_min_fields(x.t(), L.t(), d, dmin, sc, m, 3, rows)
 
     def assemble(self, out: dict[str, torch.Tensor]) -> QuantizedTensor:
         return scale_min_tensor(out, 2, SUB, "Q2_K")

@@ -15,7 +15,7 @@ import torch
 
 from llmopt.quant.grids.layout import QK_K, BlockGrid, importance_major, per_block, scale_min_fields, scale_min_tensor, superblock_sum_x2
 from llmopt.quant.grids.numerics import blocks_major, c_sqrt, fp16, nearest_int, positive_max, rdiv, seq_sum, uint8_wrap
-from llmopt.quant.grids.searches import make_qkx_quants, make_qp_quants
+from llmopt.quant.grids.searches import make_qkx_quants, make_qp_quants, qkx_rows
 from llmopt.quantized_tensor import QuantizedTensor
 
 SUB = 32  # elements per sub-block
@@ -32,23 +32,21 @@ class AsymKGrid(BlockGrid):
 
     def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         rows = w.shape[0]
-        x = blocks_major(w, SUB)  # [32, sub-blocks]
-        if importance is None:
-            av_x = c_sqrt(seq_sum(x * x) / SUB)
-            weights = av_x + x.abs()
-            scales, mins, L = make_qkx_quants(x, weights, self.nmax, *self.ref_search, use_mad=False)
+        if importance is None:  # blocks by rows ([sub-blocks, 32], a view of w): one compiled search and requantization
+            x = w.reshape(-1, SUB)
+            scales, mins, L = qkx_rows(x, None, self.nmax, *self.ref_search, use_mad=False)
             ls, lm, d, dmin = _round_sub_scales(scales, mins)
-        else:
-            sigma2 = 2 * superblock_sum_x2(w) / QK_K
-            weights = importance_major(importance, rows, SUB) * c_sqrt(per_block(sigma2, N_SUB) + x * x)
-            sw = seq_sum(weights)
-            scales, mins, L = make_qkx_quants(x, weights, self.nmax, -0.9, 0.05, 36, use_mad=False)
-            d_block, ls = make_qp_quants(_by_superblock(scales), 63, _by_superblock(sw))
-            m_block, lm = make_qp_quants(_by_superblock(mins), 63, _by_superblock(sw))
-            ls, lm = ls.t().reshape(-1).clamp(max=63), lm.t().reshape(-1).clamp(max=63)
-            d, dmin = fp16(d_block), fp16(m_block)
+            return scale_min_fields(x, L, d, dmin, ls, lm, self.nmax, rows)
+        x = blocks_major(w, SUB)  # [32, sub-blocks]
+        sigma2 = 2 * superblock_sum_x2(w) / QK_K
+        weights = importance_major(importance, rows, SUB) * c_sqrt(per_block(sigma2, N_SUB) + x * x)
+        sw = seq_sum(weights)
+        scales, mins, L = make_qkx_quants(x, weights, self.nmax, -0.9, 0.05, 36, use_mad=False)
+        d_block, ls = make_qp_quants(_by_superblock(scales), 63, _by_superblock(sw))
+        m_block, lm = make_qp_quants(_by_superblock(mins), 63, _by_superblock(sw))
+        ls, lm = ls.t().reshape(-1).clamp(max=63), lm.t().reshape(-1).clamp(max=63)
         # requantize every sub-block against the stored (fp16 x 6-bit) scale and min
-        return scale_min_fields(x, L, d, dmin, ls, lm, self.nmax, rows)
+        return scale_min_fields(x.t(), L.t(), fp16(d_block), fp16(m_block), ls, lm, self.nmax, rows)
 
     def assemble(self, out: dict[str, torch.Tensor]) -> QuantizedTensor:
         return scale_min_tensor(out, self.bits, SUB, self.name)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.quant.grids.layout import QK_K, BlockGrid, importance_major, per_block, to_rows
-from llmopt.quant.grids.numerics import GROUP_MAX_EPS, blocks_major, first_absmax, fp16, nearest_int, rdiv
-from llmopt.quant.grids.searches import make_qx_quants
+from llmopt.quant.grids.layout import QK_K, BlockGrid, per_block
+from llmopt.quant.grids.numerics import GROUP_MAX_EPS, first_absmax, fp16, nearest_int, rdiv
+from llmopt.quant.grids.searches import qx_rows, requantize_rows
 from llmopt.quantized_tensor import QuantizedTensor
 
 SUB = 16
@@ -25,9 +25,9 @@ class Q6KGrid(BlockGrid):
 
     def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         rows = w.shape[0]
-        x = blocks_major(w, SUB)
-        qw = None if importance is None else importance_major(importance, rows, SUB)
-        scales, L = make_qx_quants(x, 32, qw)
+        x = w.reshape(-1, SUB)  # sub-blocks by rows, a view of w
+        qw = None if importance is None else importance.to(torch.float32).repeat(rows).reshape(-1, SUB)
+        scales, L = qx_rows(x, 32, qw)
         by_sb = scales.reshape(-1, N_SUB).t()
         max_scale = first_absmax(by_sb)
         zero = max_scale.abs() < GROUP_MAX_EPS
@@ -35,12 +35,11 @@ class Q6KGrid(BlockGrid):
         d = torch.where(zero, torch.zeros_like(iscale), fp16(rdiv(1.0, iscale)))
         sc = nearest_int(per_block(iscale, N_SUB) * scales).clamp(max=127)
         sc = torch.where(per_block(zero, N_SUB), torch.zeros_like(sc), sc)
-        dd = per_block(d, N_SUB) * sc
-        requant = nearest_int(x / torch.where(dd == 0, torch.ones_like(dd), dd)).clamp_(-32, 31) + 32
-        L = torch.where(dd == 0, L, requant)
-        L = torch.where(per_block(zero, N_SUB), torch.zeros_like(L), L)  # an all-zero block is stored as zeros
+        codes = requantize_rows(x, L, per_block(d, N_SUB) * sc, None, -32, 31, offset=32)
+        if bool(zero.any()):
+            codes[per_block(zero, N_SUB)] = 0  # an all-zero block is stored as zeros
         return {
-            "codes": to_rows(L, rows).to(torch.uint8),
+            "codes": codes.reshape(rows, -1),
             "d": d.reshape(rows, -1).to(torch.float16),
             "sc": sc.reshape(rows, -1).to(torch.int8),
         }

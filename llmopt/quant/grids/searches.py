@@ -25,6 +25,7 @@ from llmopt.quant.grids.numerics import (
     c_float,
     c_max,
     c_min,
+    c_sqrt,
     c_step,
     first_absmax,
     nearest_int,
@@ -53,9 +54,67 @@ def _use_compiled(x: torch.Tensor) -> bool:
     return COMPILED and x.device.type == "cpu" and x.shape[1] > 0
 
 
+def compiled_for(x: torch.Tensor) -> ModuleType | None:
+    """The numba kernels (compiled.py) if they apply to `x` (a CPU tensor, COMPILED on), else None."""
+    return _kernels() if COMPILED and x.device.type == "cpu" and x.numel() > 0 else None
+
+
 def _f32(t: torch.Tensor) -> np.ndarray:
     """A float32 C-contiguous numpy view (or copy) of a CPU tensor, for the kernels."""
     return t.detach().to(torch.float32).contiguous().numpy()
+
+
+def _qx_numerators(nmax: int) -> list[float]:
+    """make_qx_quants' trials: the plain scale -nmax/max, then -(nmax + 0.1·is)/max for is = -9..-1, 1..9, in C's order."""
+    return [float(nmax)] + [c_step(nmax, 0.1, s) for s in range(-9, 10) if s != 0]
+
+
+def qx_rows(x: torch.Tensor, nmax: int, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """make_qx_quants on blocks laid out by rows, x [B, n] (a weight's `reshape(-1, n)`): scale [B],
+    levels [B, n] (+nmax). On CPU one compiled pass; elsewhere the torch search, transposed."""
+    if not _use_compiled(x.t()):
+        scale, levels = make_qx_quants(x.t().contiguous(), nmax, None if weights is None else weights.t().contiguous())
+        return scale, levels.t().contiguous()
+    xs = _f32(x)
+    mode = _kernels().SQUARES if weights is None else _kernels().GIVEN
+    scale, levels = torch.empty(x.shape[0]), torch.empty(x.shape)
+    _kernels().qx_search(xs, xs if weights is None else _f32(weights), mode, nmax,
+                         np.array(_qx_numerators(nmax), np.float32), np.float32(GROUP_MAX_EPS), scale.numpy(),
+                         levels.numpy())  # fmt: skip
+    return scale, levels
+
+
+def qkx_rows(x: torch.Tensor, weights: torch.Tensor | None, nmax: int, rmin: float, rdelta: float, nstep: int,
+             use_mad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """make_qkx_quants on blocks laid out by rows, x [B, n]: (scale, the_min, levels [B, n]). Weights
+    None: the K-quants' default rms(x) + |x| over each block. On CPU one compiled pass."""
+    if not _use_compiled(x.t()):
+        xt = x.t().contiguous()
+        w = c_sqrt(seq_sum(xt * xt) / xt.shape[0]) + xt.abs() if weights is None else weights.t().contiguous()
+        scale, the_min, levels = make_qkx_quants(xt, w, nmax, rmin, rdelta, nstep, use_mad)
+        return scale, the_min, levels.t().contiguous()
+    xs = _f32(x)
+    mode = _kernels().RMS_ABS if weights is None else _kernels().GIVEN
+    numerators = np.array([c_float(c_step(rmin, rdelta, s) + nmax) for s in range(nstep + 1)], np.float32)
+    scale, the_min, levels = torch.empty(x.shape[0]), torch.empty(x.shape[0]), torch.empty(x.shape)
+    _kernels().qkx_search(xs, xs if weights is None else _f32(weights), mode, nmax, numerators, use_mad, scale.numpy(),
+                          the_min.numpy(), levels.numpy())  # fmt: skip
+    return scale, the_min, levels
+
+
+def requantize_rows(x: torch.Tensor, levels: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None,
+                    lo: int, hi: int, offset: int = 0) -> torch.Tensor:  # fmt: skip
+    """Codes uint8 [B, n] of blocks x [B, n] against their stored scale [B] (and shift [B], added to x
+    first): clamp(nearest_int((x + shift)/scale), lo, hi) + offset, or `levels` where the scale is 0."""
+    if not _use_compiled(x.t()):
+        d = scale[:, None]
+        xs = x if shift is None else x + shift[:, None]
+        requant = nearest_int(xs / torch.where(d == 0, torch.ones_like(d), d)).clamp_(lo, hi) + offset
+        return torch.where(d == 0, levels, requant).to(torch.uint8)
+    codes = torch.empty(x.shape, dtype=torch.uint8)
+    zeros = torch.zeros(x.shape[0]) if shift is None else shift
+    _kernels().requantize(_f32(x), _f32(levels), _f32(scale), _f32(zeros), lo, hi, offset, codes.numpy())
+    return codes
 
 
 def make_qx_quants(x: torch.Tensor, nmax: int, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,19 +123,16 @@ def make_qx_quants(x: torch.Tensor, nmax: int, weights: torch.Tensor | None = No
     The 19 trial scales do not depend on each other, so their sums are measured as one batch
     [n, 19, blocks] (on slices of the blocks that keep it in cache); only the choice among them is
     sequential, as in C, and the chosen trial's levels are recomputed at the end."""
+    if _use_compiled(x):
+        scale, levels = qx_rows(x.t(), nmax, None if weights is None else weights.t())
+        return scale, levels.t()
     n, blocks = x.shape
     w = x * x if weights is None else weights
-    numerators = [float(nmax)] + [c_step(nmax, 0.1, s) for s in range(-9, 10) if s != 0]
-    if _use_compiled(x):
-        scale, levels = torch.empty(blocks), torch.empty(n, blocks)
-        _kernels().qx_search(_f32(x), _f32(w), nmax, np.array(numerators, np.float32), np.float32(GROUP_MAX_EPS),
-                             scale.numpy(), levels.numpy())  # fmt: skip
-        return scale, levels
+    numerators = _qx_numerators(nmax)
     mx = first_absmax(x)
     zero = x.abs().amax(dim=0) < GROUP_MAX_EPS
     mx_safe = torch.where(zero, torch.ones_like(mx), mx)
     wx = w * x
-    # trial 0 is the plain scale -nmax/max, then -(nmax + 0.1·is)/max for is = -9..-1, 1..9, in C's order
     iscales = torch.stack([rdiv(-v, mx_safe) for v in numerators])  # [T, B]
     trials = len(numerators)
     sums = torch.empty(2, trials, blocks, device=x.device)  # Σ w·x·l and Σ w·l·l per trial and block
@@ -166,11 +222,8 @@ def make_qkx_quants(
     """
     w = weights
     if _use_compiled(x):
-        n, blocks = x.shape
-        numerators = np.array([c_float(c_step(rmin, rdelta, s) + nmax) for s in range(nstep + 1)], np.float32)
-        scale, the_min, levels = torch.empty(blocks), torch.empty(blocks), torch.empty(n, blocks)
-        _kernels().qkx_search(_f32(x), _f32(w), nmax, numerators, use_mad, scale.numpy(), the_min.numpy(), levels.numpy())
-        return scale, the_min, levels
+        scale, the_min, levels = qkx_rows(x.t(), w.t(), nmax, rmin, rdelta, nstep, use_mad)
+        return scale, the_min, levels.t()
     mn = c_min(x)
     mn = torch.where(mn > 0, torch.zeros_like(mn), mn)
     mx = c_max(x)

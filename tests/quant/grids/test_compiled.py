@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import llmopt.quant.grids.searches as searches
-from llmopt.quant.grids.numerics import blocks_major
+from llmopt.quant.grids.numerics import blocks_major, fp16
 from tests.quant.grids.test_grids import edge_weights, importance
 
 
@@ -50,3 +50,14 @@ def test_qx_search_equals_torch(n: int, nmax: int, weighted: bool) -> None:
     x = _blocks(n)
     w = blocks_major(importance("random").repeat(24, 1), n) if weighted else None
     _assert_bits_equal(*_both(searches.make_qx_quants, x, nmax, w))
+
+
+@pytest.mark.parametrize("n", [16, 32])
+def test_row_searches_with_default_weights_equal_torch(n: int) -> None:
+    """The kernels' own weights (x², rms(x) + |x|) and the requantization, on blocks by rows."""
+    x = _blocks(n).t().contiguous()
+    _assert_bits_equal(*_both(searches.qx_rows, x, 32))
+    scale, the_min, levels = searches.qkx_rows(x, None, 15, -1.0, 0.1, 20, use_mad=False)
+    _assert_bits_equal(*_both(searches.qkx_rows, x, None, 15, -1.0, 0.1, 20, use_mad=False))
+    stored = fp16(scale) * (torch.arange(scale.numel()) % 3)  # some scales 0: the levels are kept there
+    _assert_bits_equal(*_both(lambda: (searches.requantize_rows(x, levels, stored, the_min, 0, 15),)))

@@ -43,10 +43,16 @@ def _crumbs(q: torch.Tensor) -> torch.Tensor:
     return (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64).to(torch.uint8)
 
 
+_GATHER_BITS = np.uint64(0x0102040810204080)  # Σ 2^(56-7k): byte k's low bit lands on bit 56+k, no carries
+
+
 def _high_bits_32(q: torch.Tensor) -> torch.Tensor:
-    """Bit 4 of each of a 32-block's levels as the little-endian uint32 `qh` [n, 4] (bit k = level k)."""
-    bits = ((q >> 4) & 1).reshape(-1, 4, 8).cpu().numpy()
-    return torch.from_numpy(np.packbits(bits, axis=-1, bitorder="little").reshape(-1, 4)).to(q.device)
+    """Bit 4 of each of a 32-block's levels as the little-endian uint32 `qh` [n, 4] (bit k = level k).
+    Eight levels at a time as one little-endian uint64: shifted so each byte's bit 4 is its bit 0,
+    then gathered into the top byte by one multiplication (8x fewer elements than a per-level pass)."""
+    words = _u8(q).reshape(-1, 32).cpu().contiguous().numpy().view(np.uint64)  # [n, 4]: 8 levels each
+    low = (words >> np.uint64(4)) & np.uint64(0x0101010101010101)
+    return torch.from_numpy(((low * _GATHER_BITS) >> np.uint64(56)).astype(np.uint8)).to(q.device)
 
 
 def _k_scales_6bit(sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

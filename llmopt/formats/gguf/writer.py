@@ -45,6 +45,10 @@ from llmopt.quant.pipeline import BlockResult
 from llmopt.quantized_tensor import QuantizedTensor
 
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION: the block layouts written here
+# The writer lets the source drop the file pages it read once this many bytes were read since the last
+# time (or after a larger tensor): resident memory stays within one tensor plus this, and small tensors
+# do not each pay for re-reading the process's maps and re-faulting the next one's pages.
+RELEASE_BYTES = 64 << 20
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -156,6 +160,7 @@ class GGUFWriter:
         self.updated: dict[str, torch.Tensor] = {}
         self.layers_added: set[int] = set()
         self.next = 0
+        self.read_since_release = 0  # bytes of the source read since its file pages were last dropped
         self.out = AtomicFile(Path(output), force)
         self.file = open(self.out.tmp, "wb")
         self.path: Path | None = None
@@ -193,8 +198,12 @@ class GGUFWriter:
             else:
                 importance = None if self.importance is None else self.importance.get(planned.gguf_name)
                 weight = self._updated(planned)
+                self.read_since_release += planned.source_nbytes
+                release = self.read_since_release >= RELEASE_BYTES
                 with single_threaded_ops():  # small ops: threads inside each op cost more than they gain
-                    data = encode_tensor(self.source, planned, importance, weight)
+                    data = encode_tensor(self.source, planned, importance, weight, release=release)
+                if release:
+                    self.read_since_release = 0
             if data.nbytes != planned.nbytes:
                 raise InputError(f"{planned.gguf_name}: encoded {data.nbytes} bytes, planned {planned.nbytes}")
             f.write(bytes(aligned(f.tell(), self.plan.alignment) - f.tell()))
@@ -278,18 +287,20 @@ def write_gguf(
 
 
 def encode_tensor(source: ModelSource, planned: PlannedTensor, importance: torch.Tensor | None = None,
-                  weight: torch.Tensor | None = None) -> np.ndarray:  # fmt: skip
+                  weight: torch.Tensor | None = None, release: bool = True) -> np.ndarray:  # fmt: skip
     """One tensor's bytes in its planned type: loaded (or `weight`, where a method changed it),
-    permuted for llama.cpp, quantized and packed."""
+    permuted for llama.cpp, quantized and packed; `release`: the source's file pages are dropped after."""
     if planned.hf_name is None:
         return gguf_only_values(source.arch)[planned.gguf_name].numpy()
     if weight is not None:
         return _encode(source, planned, weight.to(torch.float32), importance)
-    raw = source.load_stored(planned.hf_name, None)
+    # float32 straight from the file's map (one conversion, no intermediate copy); other dtypes as stored
+    raw = source.load_stored(planned.hf_name, "float32")
     try:
-        return _encode(source, planned, raw.to(torch.float32) if raw.is_floating_point() else raw, importance)
+        return _encode(source, planned, raw, importance)
     finally:
-        source.release_pages()  # the file pages it was read from need not stay resident
+        if release:
+            source.release_pages()  # the file pages it was read from need not stay resident
 
 
 def _encode(source: ModelSource, planned: PlannedTensor, weight: torch.Tensor,

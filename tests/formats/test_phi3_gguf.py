@@ -17,7 +17,10 @@ from llmopt.model.arch import ArchSpec
 from llmopt.model.decoder import Decoder
 from llmopt.model.families import PHI3
 from llmopt.model.rope import attention_factor
-from tests.formats.gguf.llama_cpp_helpers import (assert_same_tensors, assert_type_map_equals_llama_quantize, assert_same_top1, gguf_types, llama_cpp_logits,
+from llmopt.runtime.generate import Generator
+from llmopt.runtime.weights import load_model
+from tests.formats.gguf.llama_cpp_helpers import (assert_same_greedy, assert_same_tensors, assert_type_map_equals_llama_quantize,
+                                                  assert_same_top1, gguf_types, llama_cpp_greedy, llama_cpp_logits,
                                                   llama_dry_run_types, write_sparse_f16_gguf)
 from tests.factories import write_reference_gguf
 from tests.model.test_phi3 import HEAD_DIM, ids, make_tiny_phi3
@@ -40,6 +43,16 @@ def test_our_gguf_runs_in_llama_cpp_with_our_top1(tmp_path, longrope: bool) -> N
         assert src.arch.family.name == "phi3" and (attention_factor(src.arch) > 1) == longrope
         ours = Decoder.from_source(src)(x)[0]
     assert_same_top1(ours, llama_cpp_logits(out, x[0].tolist()), f"phi3 {'longrope' if longrope else 'plain'}")
+
+
+def test_greedy_on_our_gguf_matches_llama_cpp(tmp_path) -> None:
+    """32 greedy tokens on our F16 GGUF: llmopt's runtime (q/k/v and gate/up split from the fused
+    tensors) and llama.cpp's."""
+    out = convert_to_gguf(make_tiny_phi3(tmp_path / "phi3"), tmp_path / "phi3.gguf", "F16")["output"]
+    prompt = ids(12, seed=4)[0].tolist()
+    runtime = load_model(str(out), "float32", "cpu")
+    ours = Generator(runtime.model, eos=set()).generate(prompt, max_tokens=32, ignore_eos=True).token_ids
+    assert_same_greedy(out, prompt, ours, llama_cpp_greedy(out, prompt, 32))
 
 
 @pytest.mark.parametrize("mix", ["Q4_K_M", "Q2_K"])

@@ -1,8 +1,9 @@
-"""The mixture-of-experts families' tokenizers from GGUF metadata give llama.cpp's token ids on the
-five kinds of text the families issue names (digits, code, a chat template, non-Latin script,
-whitespace runs). Both random models carry the test suite's byte-level BPE (GGUF `gpt2`), as Mixtral
-and Qwen1.5-MoE checkpoints carry their own BPE vocabularies; the check is that our GGUF's tokenizer
-block, read back by us and by llama.cpp, splits text the same way."""
+"""The added families' tokenizers from GGUF metadata give llama.cpp's token ids on the five kinds of
+text the families issue names (digits, code, a chat template, non-Latin script, whitespace runs).
+The random Mixtral, Qwen2-MoE and Phi-3 carry the test suite's byte-level BPE (GGUF `gpt2`); the
+check is that our GGUF's tokenizer block, read back by us and by llama.cpp, splits text the same way.
+(Gemma 3's SentencePiece vocabulary: tests/model/test_gemma3_tokenizer.py; the Llama SentencePiece
+path Mixtral and Phi-3 checkpoints really carry: tests/model/test_tokenizer.py.)"""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from llmopt.api import convert_to_gguf
 from llmopt.model import open_model
 from tests.model.test_mixtral import make_tiny_mixtral
+from tests.model.test_phi3 import make_tiny_phi3
 from tests.model.test_qwen2moe import make_tiny_qwen2moe
 
 TEXTS = {
@@ -22,7 +24,7 @@ TEXTS = {
     "non-latin": "東京は日本の首都です。 Привет, мир! Ελληνικά",
     "whitespace": "a  b   c    d\t\te\n\n\nf      g \u3000 end   ",
 }
-MAKERS = {"mixtral": make_tiny_mixtral, "qwen2moe": make_tiny_qwen2moe}
+MAKERS = {"mixtral": make_tiny_mixtral, "qwen2moe": make_tiny_qwen2moe, "phi3": make_tiny_phi3}
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import torch
 
 from llmopt.model import open_model
 from llmopt.model.decoder import Decoder
-from llmopt.runtime.batch import BatchEngine, Request
 from llmopt.runtime.generate import Generator
 from llmopt.runtime.paged import BlockPool
+from tests.runtime.batching import assert_paged_batch_equals_each_prompt_alone
 from tests.model.test_gemma3 import WINDOW, ids, make_tiny_gemma3, reference
 
 
@@ -34,13 +34,9 @@ def test_greedy_generation_matches_transformers(gemma3) -> None:
 def test_paged_batch_equals_each_prompt_alone(gemma3) -> None:
     """Six prompts of 3 to 53 tokens, batched in chunks with decode steps, over 4-token blocks."""
     _, model = gemma3
-    requests = [Request(ids(3 + 10 * i, seed=20 + i)[0].tolist(), max_tokens=12, ignore_eos=True) for i in range(6)]
-    assert max(len(r.prompt_ids) for r in requests) > 3 * WINDOW
-    engine = BatchEngine(model, BlockPool(model.arch, 200, 4), None, max_batch=6, token_budget=40)
-    batched = engine.run(requests)
-    alone = [Generator(model, eos=set()).generate(list(r.prompt_ids), r.max_tokens, ignore_eos=True) for r in requests]
-    assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
-    assert engine.forwards < sum(r.max_tokens for r in requests)
+    assert 3 + 10 * 5 > 3 * WINDOW  # the longest prompt crosses the sliding window three times
+    engine = assert_paged_batch_equals_each_prompt_alone(model, ids, prompts=6, max_tokens=12)
+    assert engine.forwards < 6 * 12
 
 
 def test_paged_prefill_logits_match_the_whole_forward(gemma3) -> None:

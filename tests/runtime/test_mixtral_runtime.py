@@ -10,11 +10,10 @@ import torch
 from llmopt.api import convert_to_gguf
 from llmopt.model import open_model
 from llmopt.model.decoder import Decoder
-from llmopt.runtime.batch import BatchEngine, Request
 from llmopt.runtime.generate import Generator
-from llmopt.runtime.paged import BlockPool
 from llmopt.runtime.weights import load_model
 from tests.formats.gguf.llama_cpp_helpers import assert_same_greedy, llama_cpp_greedy
+from tests.runtime.batching import assert_paged_batch_equals_each_prompt_alone
 from tests.model.test_mixtral import ids, make_tiny_mixtral, reference
 
 
@@ -46,12 +45,7 @@ def test_paged_batch_equals_each_prompt_alone(mixtral) -> None:
     """Five prompts of 3 to 43 tokens, batched in chunks with decode steps, over 4-token blocks."""
     with open_model(mixtral) as src:
         model = Decoder.from_source(src)
-    requests = [Request(ids(3 + 10 * i, seed=20 + i)[0].tolist(), max_tokens=10, ignore_eos=True) for i in range(5)]
-    engine = BatchEngine(model, BlockPool(model.arch, 200, 4), None, max_batch=5, token_budget=40)
-    batched = engine.run(requests)
-    with torch.no_grad():
-        alone = [Generator(model, eos=set()).generate(list(r.prompt_ids), r.max_tokens, ignore_eos=True) for r in requests]
-    assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
+    assert_paged_batch_equals_each_prompt_alone(model, ids, prompts=5, max_tokens=10)
 
 
 def test_experts_kept_quantized_read_their_rows_of_the_stacks(mixtral, tmp_path, monkeypatch) -> None:

@@ -6,14 +6,12 @@ GGUF: tests/formats/test_qwen2moe_gguf.py.)"""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from llmopt.model import open_model
 from llmopt.model.decoder import Decoder
-from llmopt.runtime.batch import BatchEngine, Request
 from llmopt.runtime.generate import Generator
-from llmopt.runtime.paged import BlockPool
 from llmopt.runtime.weights import load_model
+from tests.runtime.batching import assert_paged_batch_equals_each_prompt_alone
 from tests.model.test_qwen2moe import ids, make_tiny_qwen2moe, reference
 
 
@@ -34,10 +32,5 @@ def test_paged_batch_equals_each_prompt_alone(qwen2moe) -> None:
     """Four prompts of 3 to 33 tokens, batched in chunks with decode steps, over 4-token blocks."""
     with open_model(qwen2moe) as src:
         model = Decoder.from_source(src)
-    requests = [Request(ids(3 + 10 * i, seed=20 + i)[0].tolist(), max_tokens=8, ignore_eos=True) for i in range(4)]
-    engine = BatchEngine(model, BlockPool(model.arch, 200, 4), None, max_batch=4, token_budget=40)
-    batched = engine.run(requests)
-    with torch.no_grad():
-        alone = [Generator(model, eos=set()).generate(list(r.prompt_ids), r.max_tokens, ignore_eos=True) for r in requests]
-    assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
+    assert_paged_batch_equals_each_prompt_alone(model, ids, prompts=4, max_tokens=8)
 

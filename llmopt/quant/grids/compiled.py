@@ -61,6 +61,23 @@ def _tile_weights(x: np.ndarray, w: np.ndarray, mode: int, xt: np.ndarray, wt: n
 
 
 @numba.njit(**_JIT)
+def _tile_absmax(xt: np.ndarray, mx: np.ndarray, amax: np.ndarray, eps: np.float32) -> None:
+    """Per lane, the largest magnitude `amax` and the first value that has it `mx` (C: `if (ax > amax)`),
+    `mx` set to 1 where amax < eps (a block the caller stores as zeros)."""
+    for t in range(TILE):
+        mx[t] = F32(0.0)
+        amax[t] = F32(0.0)
+    for i in range(xt.shape[0]):
+        for t in range(TILE):
+            a = abs(xt[i, t])
+            bigger = a > amax[t]
+            amax[t] = a if bigger else amax[t]
+            mx[t] = xt[i, t] if bigger else mx[t]
+    for t in range(TILE):
+        mx[t] = mx[t] if amax[t] >= eps else F32(1.0)
+
+
+@numba.njit(**_JIT)
 def qkx_search(x: np.ndarray, w: np.ndarray, mode: int, nmax: int, numerators: np.ndarray, mad: bool,
                scale_out: np.ndarray, min_out: np.ndarray, levels_out: np.ndarray) -> None:  # fmt: skip
     """make_qkx2_quants / make_qkx3_quants (see searches.make_qkx_quants): scale [B], the_min [B]
@@ -160,18 +177,7 @@ def qx_search(x: np.ndarray, w: np.ndarray, mode: int, nmax: int, numerators: np
     for b0 in range(0, blocks, TILE):
         m = min(TILE, blocks - b0)
         _tile_weights(x, w, mode, xt, wt, b0, m)
-        for t in range(TILE):
-            mx[t] = zero
-            amax[t] = zero
-        for i in range(n):
-            for t in range(TILE):
-                v = xt[i, t]
-                ax = abs(v)
-                bigger = ax > amax[t]
-                amax[t] = ax if bigger else amax[t]
-                mx[t] = v if bigger else mx[t]
-        for t in range(TILE):
-            mx[t] = mx[t] if amax[t] >= eps else F32(1.0)
+        _tile_absmax(xt, mx, amax, eps)
         for k in range(numerators.shape[0]):
             for t in range(TILE):
                 iscale[t] = -numerators[k] / mx[t]
@@ -275,3 +281,233 @@ def affine_rows(x: np.ndarray, levels: int, codes: np.ndarray, d_out: np.ndarray
         m_out[b] = mn
         for i in range(x.shape[1]):
             codes[b, i] = np.uint8(min(max(np.trunc((x[b, i] - mn) * inv + F32(0.5)), F32(0.0)), top))
+
+
+# ------------------------------------------------------------------------------ IQ4_NL / IQ4_XS
+@numba.njit(**_JIT)
+def _table_level(a: np.float32, cell_value: np.ndarray, lowest: int) -> np.float32:
+    """The table level nearest to a, as iq4.Levels.nearest_values: the level of a's half-integer cell."""
+    cell = min(max(np.floor(a * F32(2.0)), F32(lowest)), F32(lowest + cell_value.shape[0] - 1))
+    return cell_value[np.int64(cell) - lowest]
+
+
+@numba.njit(**_JIT)
+def iq4_scales(x: np.ndarray, w: np.ndarray, mode: int, cell_value: np.ndarray, lowest: int, v0: np.float32,
+               ntry: int, eps: np.float32, scale_out: np.ndarray) -> None:  # fmt: skip
+    """quantize_row_iq4_nl_impl's sub-block scale (see iq4.sub_block_scales), blocks by rows: trial 0
+    is -max/v0 inverted, then (t + v0)/max for t = -ntry..ntry; a trial wins when its Σwqx²/Σwq²
+    beats the best so far."""
+    blocks, n = x.shape
+    zero = F32(0.0)
+    xt, wt = np.empty((2, n, TILE), F32)
+    mx, amax, iscale, d, best, sumqx, sumq2 = np.empty((7, TILE), F32)
+    for b0 in range(0, blocks, TILE):
+        m = min(TILE, blocks - b0)
+        _tile_weights(x, w, mode, xt, wt, b0, m)
+        _tile_absmax(xt, mx, amax, eps)
+        for k in range(2 * ntry + 2):
+            for t in range(TILE):
+                iscale[t] = F32(1.0) / (-mx[t] / v0) if k == 0 else (F32(k - 1 - ntry) + v0) / mx[t]
+                sumqx[t] = zero
+                sumq2[t] = zero
+            for i in range(n):
+                for t in range(TILE):
+                    q = _table_level(xt[i, t] * iscale[t], cell_value, lowest)
+                    wq = wt[i, t] * q
+                    sumqx[t] += wq * xt[i, t]
+                    sumq2[t] += wq * q
+            for t in range(TILE):
+                valid = sumq2[t] > zero
+                if k == 0:
+                    d[t] = sumqx[t] / sumq2[t] if valid else zero
+                    best[t] = d[t] * sumqx[t]
+                elif valid and sumqx[t] * sumqx[t] > best[t] * sumq2[t]:
+                    d[t] = sumqx[t] / sumq2[t]
+                    best[t] = d[t] * sumqx[t]
+        for t in range(m):
+            scale_out[b0 + t] = d[t] if amax[t] >= eps else zero
+
+
+@numba.njit(**_JIT)
+def table_codes(x: np.ndarray, inv_scale: np.ndarray, cell_value: np.ndarray, lowest: int, offset: int,
+                codes: np.ndarray) -> None:  # fmt: skip
+    """codes[b, i] = the table level nearest to x[b, i]·inv_scale[b], plus `offset` (uint8)."""
+    for b in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            codes[b, i] = np.uint8(np.int32(_table_level(x[b, i] * inv_scale[b], cell_value, lowest)) + offset)
+
+
+# -------------------------------------------------------------------- IQ3_XXS / IQ2_XXS / ... lattices
+@numba.njit(**_JIT)
+def _nearest_int_exact(v: np.float32, bits: np.ndarray) -> np.float32:
+    """ggml's nearest_int bit for bit (its wrap-around outside |v| <= 2^22 included); `bits` is a
+    float32 scratch of one element with an int32 view after it."""
+    bits[0] = v + F32(12582912.0)
+    return F32((bits.view(np.int32)[0] & 0x007FFFFF) - 0x00400000)
+
+
+@numba.njit(**_JIT)
+def _lattice_round(x: np.ndarray, waux: np.ndarray, inv: np.float32, scale: np.float32, nmax: int, dims: int,
+                   nbits: int, index_of_key: np.ndarray, neighbours: np.ndarray, counts: np.ndarray,
+                   points: np.ndarray, coords: np.ndarray, only: np.ndarray, use_only: bool, levels: np.ndarray,
+                   off: np.ndarray, scratch: np.ndarray) -> None:  # fmt: skip
+    """iq_lattice.LatticeGrid._round for one sub-block: every group's lattice point at inverse scale
+    `inv` (an off-lattice group: the best neighbour at `scale`, if it is searched), as levels, and
+    which groups were off."""
+    top = F32(nmax - 1)
+    for g in range(x.shape[0] // dims):
+        key = 0
+        for i in range(dims):
+            lv = min(max(_nearest_int_exact((inv * x[g * dims + i] - F32(1.0)) * F32(0.5), scratch), F32(0.0)), top)
+            key += np.int64(lv) << (nbits * i)
+        index = index_of_key[key]
+        off[g] = index < 0
+        if index < 0 and (not use_only or only[g]):
+            best, best_d2, found = -1, F32(0.0), False
+            for c in range(counts[key]):
+                p = neighbours[key, c]
+                d2 = F32(0.0)
+                for i in range(dims):
+                    diff = points[p, i] * scale - x[g * dims + i]
+                    d2 += diff * waux[g * dims + i] * diff
+                if d2 != d2:  # torch's argmin takes the first NaN
+                    best = p
+                    break
+                if not found or d2 < best_d2:
+                    best, best_d2, found = p, d2, True
+            index = best
+        index = max(index, 0)
+        for i in range(dims):
+            levels[g * dims + i] = F32(coords[index, i])
+
+
+@numba.njit(**_JIT)
+def _lattice_sums(w: np.ndarray, x: np.ndarray, levels: np.ndarray) -> tuple[np.float32, np.float32]:
+    sumqx, sumq2 = F32(0.0), F32(0.0)
+    for i in range(x.shape[0]):
+        q = levels[i] * F32(2.0) + F32(1.0)
+        sumqx += w[i] * x[i] * q
+        sumq2 += w[i] * q * q
+    return sumqx, sumq2
+
+
+@numba.njit(**_JIT)
+def lattice_search(xval: np.ndarray, weight: np.ndarray, waux: np.ndarray, base: np.ndarray, scale0: np.ndarray,
+                   active: np.ndarray, numerators: np.ndarray, requant: int, nmax: int, dims: int, nbits: int,
+                   index_of_key: np.ndarray, neighbours: np.ndarray, counts: np.ndarray, points: np.ndarray,
+                   coords: np.ndarray, scale_out: np.ndarray, levels_out: np.ndarray) -> None:  # fmt: skip
+    """iq_lattice.LatticeGrid._sub_block_search's trials and re-rounding, sub-blocks by rows [S, n]:
+    trial k's inverse scale is numerators[k]/base; the best Σwqx²/Σwq² wins; then groups are rounded
+    again against the winning scale (`requant` 0: the off-lattice ones, 1: all, 2: all if any was off)
+    and the scale refitted. Writes the raw scale (before the sign flip and the inactive mask) and levels."""
+    n = xval.shape[1]
+    groups = n // dims
+    zero = F32(0.0)
+    levels, best_levels = np.empty((2, n), F32)
+    off, on_grid, regroup = np.empty((3, groups), np.bool_)
+    scratch = np.empty(1, F32)
+    for s in range(xval.shape[0]):
+        x, w, wa = xval[s], weight[s], waux[s]
+        scale, best = scale0[s], zero
+        best_levels[:] = zero
+        on_grid[:] = requant != 2
+        if active[s]:
+            for k in range(numerators.shape[0]):
+                inv = numerators[k] / base[s]
+                _lattice_round(x, wa, inv, F32(1.0) / inv, nmax, dims, nbits, index_of_key, neighbours, counts,
+                               points, coords, regroup, False, levels, off, scratch)  # fmt: skip
+                sumqx, sumq2 = _lattice_sums(w, x, levels)
+                if sumq2 > zero and sumqx * sumqx > best * sumq2:
+                    scale = sumqx / sumq2
+                    best = scale * sumqx
+                    best_levels[:] = levels
+                    for g in range(groups):
+                        on_grid[g] = not off[g]
+            redo = scale > zero
+            if requant != 1:
+                redo = redo and not on_grid.all()
+            if redo:
+                for g in range(groups):
+                    regroup[g] = not on_grid[g] if requant == 0 else True
+                _lattice_round(x, wa, F32(1.0) / scale, scale, nmax, dims, nbits, index_of_key, neighbours, counts,
+                               points, coords, regroup, True, levels, off, scratch)  # fmt: skip
+                for g in range(groups):
+                    if regroup[g]:
+                        for i in range(dims):
+                            best_levels[g * dims + i] = levels[g * dims + i]
+                sumqx, sumq2 = _lattice_sums(w, x, best_levels)
+                if sumq2 > zero:
+                    scale = sumqx / sumq2
+        scale_out[s] = scale
+        levels_out[s] = best_levels
+
+
+# ----------------------------------------------------------------------------------- make_qp_quants
+@numba.njit(**_JIT)
+def _wrap_u8(v: np.float32) -> np.float32:
+    """C's `(uint8_t) int` of an integer-valued float: modulo 256."""
+    return v - F32(256.0) * np.floor(v / F32(256.0))
+
+
+@numba.njit(**_JIT)
+def qp_search(x: np.ndarray, w: np.ndarray, nmax: int, numerators: np.ndarray, eps: np.float32, wrap: bool,
+              scale_out: np.ndarray, levels_out: np.ndarray) -> None:  # fmt: skip
+    """make_qp_quants (see searches.make_qp_quants), blocks by rows [B, n]: the plain inverse scale
+    nmax/max, trials numerators[k]/max chosen by the least weighted squared error, then up to 5
+    passes moving single levels. `wrap`: levels are kept modulo 256 (C's uint8 L) while the sums
+    take each new level as the int it is."""
+    blocks, n = x.shape
+    fn, zero = F32(nmax), F32(0.0)
+    L = np.empty(n, F32)
+    scratch = np.empty(1, F32)
+    for b in range(blocks):
+        xs, ws = x[b], w[b]
+        mx = zero
+        for i in range(n):
+            mx = xs[i] if xs[i] > mx else mx
+        if mx < eps:
+            scale_out[b] = zero
+            levels_out[b] = zero
+            continue
+        iscale = fn / mx
+        scale = F32(1.0) / iscale
+        best = zero
+        for i in range(n):
+            level = np.rint(iscale * xs[i])
+            diff = xs[i] - scale * (_wrap_u8(level) if wrap else level)
+            best += ws[i] * diff * diff
+        for k in range(numerators.shape[0]):
+            iscale_k = numerators[k] / mx
+            scale_k = F32(1.0) / iscale_k
+            cur = zero
+            for i in range(n):
+                diff = xs[i] - scale_k * min(np.rint(iscale_k * xs[i]), fn)
+                cur += ws[i] * diff * diff
+            if cur < best:
+                best, iscale = cur, iscale_k
+        sumlx, suml2 = zero, zero
+        for i in range(n):
+            L[i] = min(np.rint(iscale * xs[i]), fn)
+            sumlx += ws[i] * xs[i] * L[i]
+            suml2 += ws[i] * L[i] * L[i]
+            if wrap:
+                L[i] = _wrap_u8(L[i])
+        for _ in range(5):
+            changed = False
+            for i in range(n):
+                wx = ws[i] * xs[i]
+                slx = sumlx - wx * L[i]
+                sl2 = suml2 - ws[i] * L[i] * L[i]
+                if slx > zero and sl2 > zero:
+                    new_l = min(_nearest_int_exact(xs[i] * sl2 / slx, scratch), fn)
+                    if new_l != L[i]:
+                        slx = slx + wx * new_l
+                        sl2 = sl2 + ws[i] * new_l * new_l
+                        if slx * slx * suml2 > sumlx * sumlx * sl2:
+                            L[i] = _wrap_u8(new_l) if wrap else new_l
+                            sumlx, suml2 = slx, sl2
+                            changed = True
+            if not changed:
+                break
+        scale_out[b] = sumlx / suml2 if suml2 > zero else zero
+        levels_out[b] = L

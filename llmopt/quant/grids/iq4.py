@@ -19,6 +19,7 @@ every reader of QuantizedTensor works unchanged; the packer maps levels back to 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from llmopt.quant.grids.codebooks import IQ4_VALUES
 from llmopt.quant.grids.layout import QK_K, BlockGrid, BlockParams, importance_major, per_block, superblock_sum_x2, to_rows
 from llmopt.quant.grids.legacy import _inverse  # C's `d ? 1/d : 0`
 from llmopt.quant.grids.numerics import GROUP_MAX_EPS, blocks_major, c_sqrt, first_absmax, nearest_int, rdiv, safe_div, seq_sum
+from llmopt.quant.grids.searches import compiled_for
 from llmopt.quantized_tensor import QuantizedTensor
 
 SUB = 32  # elements per scale
@@ -142,28 +144,44 @@ class IQ4Grid(BlockGrid):
 
     def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         rows = w.shape[0]
-        x = blocks_major(w, SUB)  # [32, sub-blocks]
+        kernels = compiled_for(w)
+        x = blocks_major(w, SUB) if kernels is None or importance is not None else None  # [32, sub-blocks]
         if importance is None:
-            weights = x * x
+            weights = None
         else:
             n_sub = self.block // SUB
             sum_x2 = seq_sum(x * x) if n_sub == 1 else superblock_sum_x2(w)
             sigma2 = per_block(sum_x2 * (2.0 / self.block), n_sub)
             weights = importance_major(importance, rows, SUB) * c_sqrt(sigma2 + x * x)
-        scales = sub_block_scales(x, weights, self.levels)
+        if kernels is None:
+            scales = sub_block_scales(x, x * x if weights is None else weights, self.levels)
+        else:  # blocks by rows (a view of w): one compiled pass
+            scales = torch.empty(w.numel() // SUB)
+            xr = w.reshape(-1, SUB).numpy()
+            wr = xr if weights is None else weights.t().contiguous().numpy()
+            kernels.iq4_scales(xr, wr, kernels.SQUARES if weights is None else kernels.GIVEN, self.levels.cell_value,
+                               self.levels.lowest, np.float32(self.levels.values[0]), NTRY, np.float32(GROUP_MAX_EPS),
+                               scales.numpy())  # fmt: skip
         if self.block == SUB:
-            codes = self.levels.nearest_code(x * _inverse(scales))
-            return {"codes": to_rows(codes, rows).to(torch.uint8), "d": scales.to(torch.float16).reshape(rows, -1)}
+            return {"codes": self._codes(w, x, _inverse(scales), kernels), "d": scales.to(torch.float16).reshape(rows, -1)}
         n_sub = self.block // SUB
         max_scale = first_absmax(scales.reshape(-1, n_sub).t())
         d = torch.neg(max_scale).div_(32.0)  # an all-zero super-block stores d = -0
         ls = nearest_int(per_block(_inverse(d), n_sub) * scales).clamp_(-32, 31)
-        codes = self.levels.nearest_code(x * _inverse(per_block(d, n_sub) * ls))
         return {
-            "codes": to_rows(codes, rows).to(torch.uint8),
+            "codes": self._codes(w, x, _inverse(per_block(d, n_sub) * ls), kernels),
             "d": d.to(torch.float16).reshape(rows, -1),
             "sc": (ls + 32).to(torch.uint8).reshape(rows, -1),
         }
+
+    def _codes(self, w: torch.Tensor, x: torch.Tensor | None, inv_scale: torch.Tensor, kernels: Any) -> torch.Tensor:
+        """Every value's code (nearest level + 128) at its sub-block's inverse scale, [rows, cols] uint8."""
+        if kernels is None:
+            return to_rows(self.levels.nearest_code(x * inv_scale), w.shape[0]).to(torch.uint8)
+        codes = torch.empty(w.shape, dtype=torch.uint8)
+        kernels.table_codes(w.reshape(-1, SUB).numpy(), inv_scale.numpy(), self.levels.cell_value, self.levels.lowest,
+                            CODE_OFFSET, codes.view(-1, SUB).numpy())  # fmt: skip
+        return codes
 
     def assemble(self, out: dict[str, torch.Tensor]) -> QuantizedTensor:
         d = out["d"].to(torch.float32)

@@ -24,7 +24,9 @@ finds each group's point and sign bits from the codes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from llmopt.errors import InputError
@@ -41,7 +43,7 @@ from llmopt.quant.grids.codebooks import (
 from llmopt.quant.grids.lattice import Lattice
 from llmopt.quant.grids.layout import QK_K, BlockGrid, BlockParams, importance_major, per_block, superblock_sum_x2, to_rows
 from llmopt.quant.grids.numerics import blocks_major, c_float, c_sqrt, c_step, nearest_int_exact, positive_max, rdiv, safe_div, seq_sum
-from llmopt.quant.grids.searches import make_qp_quants
+from llmopt.quant.grids.searches import compiled_for, make_qp_quants
 from llmopt.quantized_tensor import QuantizedTensor
 
 SIGN_GROUP = 8  # signs are stored 7 per 8 values
@@ -193,10 +195,35 @@ class LatticeGrid(GroupSearchGrid):
             active &= base > 0
             scale = qp_scale
         base = torch.where(active, base, torch.ones_like(base))
+        if (kernels := compiled_for(xval)) is not None:
+            scale, L = self._compiled_search(kernels, xval, weight, waux, base, scale, active, top)
+        else:
+            scale, L = self._torch_search(xval, weight, waux, base, scale, active, top)
+        flipped = scale < 0  # "should never happen" in llama.cpp: positive scale, every sign flipped
+        scale = torch.where(flipped, -scale, scale)
+        signs = torch.where(flipped, ~signs & (127 if self.parity else 255), signs)
+        return torch.where(active, scale, torch.zeros_like(scale)), L, active, signs
+
+    def _compiled_search(self, kernels: Any, xval: torch.Tensor, weight: torch.Tensor, waux: torch.Tensor,
+                         base: torch.Tensor, scale: torch.Tensor, active: torch.Tensor,
+                         top: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The trials and the re-rounding in one compiled pass over the sub-blocks (compiled.lattice_search)."""
+        lat = self.lattice
+        numerators = np.array([c_step(top, self.trial_step, k) for k in range(-self.trials, self.trials + 1)], np.float32)
+        scale_out, levels = torch.empty(xval.shape[1]), torch.empty(xval.shape[1], xval.shape[0])
+        rows = [t.t().contiguous().numpy() for t in (xval, weight, waux)]
+        kernels.lattice_search(*rows, base.contiguous().numpy(), scale.contiguous().numpy(), active.numpy(), numerators,
+                               ("off", "all", "all_if_off").index(self.requant), self.nmax, lat.dims, lat.bits,
+                               lat.index_of_key.numpy(), lat.neighbours.numpy(), lat.neighbour_counts.numpy(),
+                               lat.points.numpy(), lat.coords, scale_out.numpy(), levels.numpy())  # fmt: skip
+        return scale_out, levels.t()
+
+    def _torch_search(self, xval: torch.Tensor, weight: torch.Tensor, waux: torch.Tensor, base: torch.Tensor,
+                      scale: torch.Tensor, active: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         groups = self.sub // self.lattice.dims
         L = torch.zeros_like(xval)
         on_grid = torch.full((groups, xval.shape[1]), self.requant != "all_if_off")
-        best = torch.zeros_like(mx)
+        best = torch.zeros_like(scale)
         for step in range(-self.trials, self.trials + 1):
             inv = rdiv(c_step(top, self.trial_step, step), base)
             levels, off = self._round(xval, waux, inv, rdiv(1.0, inv), None)
@@ -216,10 +243,7 @@ class LatticeGrid(GroupSearchGrid):
             L = torch.where(regroup.repeat_interleave(self.lattice.dims, dim=0), levels, L)
             sumqx, sumq2 = self._sums(weight, xval, L)
             scale = torch.where(redo & (sumq2 > 0), safe_div(sumqx, sumq2), scale)
-        flipped = scale < 0  # "should never happen" in llama.cpp: positive scale, every sign flipped
-        scale = torch.where(flipped, -scale, scale)
-        signs = torch.where(flipped, ~signs & (127 if self.parity else 255), signs)
-        return torch.where(active, scale, torch.zeros_like(scale)), L, active, signs
+        return scale, L
 
     def _round(self, xval: torch.Tensor, waux: torch.Tensor, inv: torch.Tensor, scale: torch.Tensor,
                only: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip

@@ -282,6 +282,12 @@ def make_qp_quants(x: torch.Tensor, nmax: int, weights: torch.Tensor, wrap: bool
     `wrap`: x may hold negative values (IQ2_XXS's sign-flipped magnitude), whose negative levels C
     stores in uint8 L modulo 256 (and then reads back so) while its sums use them as ints."""
     w = weights
+    if _use_compiled(x):
+        numerators = np.array([c_step(nmax, 0.1, step) for step in range(-4, 5) if step != 0], np.float32)
+        scale, levels = torch.empty(x.shape[1]), torch.empty(x.shape[1], x.shape[0])
+        _kernels().qp_search(_f32(x.t()), _f32(w.t()), nmax, numerators, np.float32(GROUP_MAX_EPS), wrap, scale.numpy(),
+                             levels.numpy())  # fmt: skip
+        return scale, levels.t()
     mx = positive_max(x, dim=0)
     zero = mx < GROUP_MAX_EPS
     mx_safe = torch.where(zero, torch.ones_like(mx), mx)

@@ -61,3 +61,13 @@ def test_row_searches_with_default_weights_equal_torch(n: int) -> None:
     _assert_bits_equal(*_both(searches.qkx_rows, x, None, 15, -1.0, 0.1, 20, use_mad=False))
     stored = fp16(scale) * (torch.arange(scale.numel()) % 3)  # some scales 0: the levels are kept there
     _assert_bits_equal(*_both(lambda: (searches.requantize_rows(x, levels, stored, the_min, 0, 15),)))
+
+
+@pytest.mark.parametrize(("n", "nmax", "wrap"), [(8, 63, False), (8, 15, False), (32, 4, True)])
+def test_qp_search_equals_torch(n: int, nmax: int, wrap: bool) -> None:
+    """make_qp_quants: on sub-block scales (non-negative), and IQ2_XXS's magnitudes with a negated one (wrap)."""
+    x = _blocks(n).abs() * 40
+    if wrap:
+        x[3] = -x[3]  # a flipped sign: negative levels, stored modulo 256
+    w = blocks_major(importance("random").repeat(24, 1), n) + 0.5
+    _assert_bits_equal(*_both(searches.make_qp_quants, x, nmax, w, wrap=wrap))

@@ -50,7 +50,7 @@ def write_mix(source_path: Path, mix: str, out: Path) -> Path:
 def held_bytes(model: torch.nn.Module) -> int:
     seen, total = set(), 0
     for t in [*model.parameters(), *model.buffers()]:
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        key = (id(t),) if t.is_mkldnn else (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))  # oneDNN's: no storage
         if key not in seen:
             seen.add(key)
             total += t.numel() * t.element_size()
@@ -61,7 +61,7 @@ def llmopt_decode(path: Path, dtype: str, packed: bool, ids: list[int], tokens: 
     from llmopt.runtime.generate import Generator
     from llmopt.runtime.weights import load_model
 
-    loaded = load_model(str(path), dtype, "cpu", packed=packed)
+    loaded = load_model(str(path), dtype, "cpu", packed=packed, gguf_quantized=packed)
     gen = Generator(loaded.model, loaded.tokenizer)
     gen.generate(ids, 4, ignore_eos=True)  # warm-up
     m = gen.generate(ids, tokens, ignore_eos=True).metrics

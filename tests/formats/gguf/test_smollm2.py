@@ -43,7 +43,8 @@ def answer(path: Path) -> str:
 
 
 @pytest.mark.parametrize("mix", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_S", "Q3_K_M",
-                                 "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS"])
+                                 "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS",
+                                 "TQ1_0", "TQ2_0", "MXFP4_MOE"])
 def test_llama_cpp_loads_and_generates(smol, tmp_path: Path, mix: str) -> None:
     """Every type and mix, written from the fp16 HF dir, loads in llama.cpp and answers as the file
     llama-quantize makes of that type from the same F16 does, on this machine's kernels (another

@@ -5,7 +5,7 @@
     them dequantized to float32 (the old path), and llama.cpp (llama-cpp-python) on the same file, same
     threads; plus the bytes each llmopt model holds.
 (b) A Llama-2-7B-shaped model (hidden 4096, 32 layers, ffn 11008, vocab 32000) of random float16 weights,
-    written by llmopt's GGUF writer as Q4_0 straight from a source that makes each tensor when the
+    written by llmopt's GGUF writer as Q4_0 and Q4_K_M straight from a source that makes each tensor when the
     writer asks (no 13 GB float16 copy on disk), then loaded and run for --tokens tokens in a fresh
     process whose peak RSS (VmHWM) is reported against the file size plus the KV cache (target <= 1.3x).
 
@@ -144,7 +144,7 @@ def run_7b_child(path: str, tokens: int, threads: int) -> None:
     torch.set_num_threads(threads)
     before = status_kib()  # the interpreter and torch, before any weight
     t0 = time.perf_counter()
-    loaded = load_model(path, "float32", "cpu", packed=True)
+    loaded = load_model(path, "float32", "cpu", packed=True, gguf_quantized=True)
     load_s = time.perf_counter() - t0
     after_load = status_kib()
     m = Generator(loaded.model, None).generate([1, 2, 3, 4, 5, 6, 7, 8], tokens, ignore_eos=True).metrics
@@ -157,12 +157,12 @@ def run_7b_child(path: str, tokens: int, threads: int) -> None:
                       "kv_cache_bytes": kv, "held_bytes": held_bytes(loaded.model)}))
 
 
-def seven_b(work: Path, args: argparse.Namespace) -> dict:
+def seven_b(work: Path, args: argparse.Namespace, mix: str) -> dict:
     src = RandomLlamaSource(args.hidden, args.layers, args.ffn, args.vocab, args.heads, args.kv_heads)
-    path = work / f"random-llama-h{args.hidden}-l{args.layers}-Q4_0.gguf"
+    path = work / f"random-llama-h{args.hidden}-l{args.layers}-{mix}.gguf"
     if not path.exists():
         t0 = time.perf_counter()
-        write_gguf(src, path, plan_gguf(src, "Q4_0", has_imatrix=False))
+        write_gguf(src, path, plan_gguf(src, mix, has_imatrix=False))
         print(f"wrote {path} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     child = subprocess.run([sys.executable, __file__, "--child-7b", str(path), "--tokens", str(args.tokens),
                             "--threads", str(args.threads)], capture_output=True, text=True, check=True)
@@ -189,6 +189,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=32)
     ap.add_argument("--skip-smollm2", action="store_true")
     ap.add_argument("--skip-7b", action="store_true")
+    ap.add_argument("--seven-b-types", default="Q4_0,Q4_K_M", help="the types the 7B-shaped model is written as")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--child-7b", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -206,9 +207,9 @@ def main() -> None:
                 cells = "  ".join(f"{k}={row[k]['tokens_per_s']}" + (f" ({row[k]['held_mib']} MiB)" if "held_mib" in row[k] else "")
                                   for k in ("quantized_fp32", "quantized_bf16", "dequantized_fp32", "llama_cpp"))
                 print(f"{mix:<10}{row['file_mib']:>7}  {cells}")
-        if not args.skip_7b:
-            results["llama7b_shape_q4_0"] = r = seven_b(work, args)
-            print(f"\n{args.layers}-layer hidden-{args.hidden} Q4_0: file {r['file_bytes'] / 2**30:.2f} GiB, KV "
+        for mix in [] if args.skip_7b else args.seven_b_types.split(","):
+            results[f"llama7b_shape_{mix.lower()}"] = r = seven_b(work, args, mix)
+            print(f"\n{args.layers}-layer hidden-{args.hidden} {mix}: file {r['file_bytes'] / 2**30:.2f} GiB, KV "
                   f"{r['kv_cache_bytes'] / 2**20:.1f} MiB, peak RSS {r['peak_rss_kib'] / 2**20:.2f} GiB = "
                   f"{r['peak_over_file_plus_kv']}x file+KV (target <= 1.3; {r['peak_less_baseline_over_file_plus_kv']}x "
                   f"less the {r['rss_before_load_kib'] / 2**10:.0f} MiB before loading), {r['tokens_per_s']} tok/s, load {r['load_s']} s")

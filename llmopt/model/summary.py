@@ -15,18 +15,20 @@ def summarize(source: ModelSource, with_tensors: bool = False) -> dict[str, Any]
     params = source.parameter_count
     nbytes = source.file_bytes
     by_type: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "parameters": 0, "bytes": 0})
+    stored: set[str] = set()  # the file's own tensors: an expert stack or a fused qkv is one, however it is split
     for t in source.tensors.values():
         row = by_type[t.dtype]
-        row["tensors"] += 1
+        row["tensors"] += t.stored_name not in stored
         row["parameters"] += t.numel
         row["bytes"] += t.nbytes
+        stored.add(t.stored_name)
     tok = source.tokenizer()
     out: dict[str, Any] = {
         "path": str(source.path),
         "format": source.kind,
         "architecture": source.arch.to_dict(),
         "parameters": params,
-        "tensor_count": len(source.tensors),
+        "tensor_count": len(stored),
         "bytes": nbytes,
         "bits_per_weight": round(nbytes * 8 / params, 4) if params else None,
         "types": dict(sorted(by_type.items(), key=lambda kv: -kv[1]["bytes"])),

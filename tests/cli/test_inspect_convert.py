@@ -69,3 +69,23 @@ def test_convert_dtype_and_force(llmopt_cli, tiny_ggufs, tmp_path):
     nested = tmp_path / "a" / "b" / "hf"
     assert llmopt_cli("convert", tiny_ggufs("qwen2"), "--to", "hf", "-o", nested).returncode == 0
     assert (nested / "config.json").is_file()
+
+
+def test_inspect_counts_the_files_own_tensors(tmp_path):
+    """Experts stacked in one GGUF tensor (Mixtral) and Phi-3's fused attn_qkv / ffn_up are read as
+    one HF tensor per expert and per part, but inspect counts what the file holds, as llama.cpp does."""
+    import gguf
+
+    from llmopt.api import convert_to_gguf, inspect
+    from tests.model.test_mixtral import make_tiny_mixtral
+    from tests.model.test_phi3 import make_tiny_phi3
+
+    for name, make in (("mixtral", make_tiny_mixtral), ("phi3", make_tiny_phi3)):
+        out = convert_to_gguf(make(tmp_path / name), tmp_path / f"{name}.gguf", "Q4_K_M")["output"]
+        info = inspect(out, tensors=True)
+        reader = gguf.GGUFReader(str(out))
+        assert info["tensor_count"] == len(reader.tensors) < len(info["tensors"])
+        by_type: dict[str, int] = {}
+        for t in reader.tensors:
+            by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + 1
+        assert {k: row["tensors"] for k, row in info["types"].items()} == by_type

@@ -284,7 +284,7 @@ def affine_rows(x: np.ndarray, levels: int, codes: np.ndarray, d_out: np.ndarray
 
 
 # ------------------------------------------------------------------------------ IQ4_NL / IQ4_XS
-@numba.njit(**_JIT)
+@numba.njit(inline="always", **_JIT)  # called per element or group: no call overhead
 def _table_level(a: np.float32, cell_value: np.ndarray, lowest: int) -> np.float32:
     """The table level nearest to a, as iq4.Levels.nearest_values: the level of a's half-integer cell."""
     cell = min(max(np.floor(a * F32(2.0)), F32(lowest)), F32(lowest + cell_value.shape[0] - 1))
@@ -338,112 +338,173 @@ def table_codes(x: np.ndarray, inv_scale: np.ndarray, cell_value: np.ndarray, lo
 
 
 # -------------------------------------------------------------------- IQ3_XXS / IQ2_XXS / ... lattices
-@numba.njit(**_JIT)
+@numba.njit(inline="always", **_JIT)  # called per element or group: no call overhead
 def _nearest_int_exact(v: np.float32, bits: np.ndarray) -> np.float32:
     """ggml's nearest_int bit for bit (its wrap-around outside |v| <= 2^22 included); `bits` is a
     float32 scratch of one element with an int32 view after it."""
+    if abs(v) < F32(4194304.0):  # |v| < 2^22: 1.5·2^23 + v rounds to an integer half to even, so this is rint
+        return np.rint(v)
     bits[0] = v + F32(12582912.0)
     return F32((bits.view(np.int32)[0] & 0x007FFFFF) - 0x00400000)
 
 
-@numba.njit(**_JIT)
-def _lattice_round(x: np.ndarray, waux: np.ndarray, inv: np.float32, scale: np.float32, nmax: int, dims: int,
-                   nbits: int, index_of_key: np.ndarray, neighbours: np.ndarray, counts: np.ndarray,
-                   points: np.ndarray, coords: np.ndarray, only: np.ndarray, use_only: bool, levels: np.ndarray,
-                   off: np.ndarray, scratch: np.ndarray) -> None:  # fmt: skip
-    """iq_lattice.LatticeGrid._round for one sub-block: every group's lattice point at inverse scale
-    `inv` (an off-lattice group: the best neighbour at `scale`, if it is searched), as levels, and
-    which groups were off."""
-    top = F32(nmax - 1)
-    for g in range(x.shape[0] // dims):
-        key = 0
+@numba.njit(inline="always", **_JIT)  # called per element or group: no call overhead
+def _best_neighbour(xt: np.ndarray, wat: np.ndarray, g: int, t: int, start: int, scale: np.float32, dims: int,
+                    neighbours: np.ndarray, points: np.ndarray, coords: np.ndarray, terms: np.ndarray) -> int:  # fmt: skip
+    """lattice.Lattice.best_neighbour for group g of lane t, whose candidates are neighbours[start + 1 ...]
+    (neighbours[start] of them, Lattice.compact_map): the first with the least Σ (q·scale - x)·w·(q·scale - x)
+    in coordinate order (torch's argmin: the first NaN wins)."""
+    best, best_d2 = -1, F32(0.0)
+    nlevels = terms.shape[1]
+    count = neighbours[start]
+    tabled = count > nlevels  # many candidates (IQ2's): each coordinate's error once per level, then looked up
+    if tabled:
         for i in range(dims):
-            lv = min(max(_nearest_int_exact((inv * x[g * dims + i] - F32(1.0)) * F32(0.5), scratch), F32(0.0)), top)
-            key += np.int64(lv) << (nbits * i)
-        index = index_of_key[key]
-        off[g] = index < 0
-        if index < 0 and (not use_only or only[g]):
-            best, best_d2, found = -1, F32(0.0), False
-            for c in range(counts[key]):
-                p = neighbours[key, c]
-                d2 = F32(0.0)
+            for lv in range(nlevels):
+                diff = F32(2 * lv + 1) * scale - xt[g * dims + i, t]
+                terms[i, lv] = diff * wat[g * dims + i, t] * diff
+    for c in range(count):
+        p = neighbours[start + 1 + c]
+        d2 = F32(0.0)
+        for i in range(dims):
+            if tabled:
+                d2 += terms[i, coords[p, i]]
+            else:
+                diff = points[p, i] * scale - xt[g * dims + i, t]
+                d2 += diff * wat[g * dims + i, t] * diff
+        if d2 != d2:
+            return p
+        if best < 0 or d2 < best_d2:
+            best, best_d2 = p, d2
+    return best
+
+
+@numba.njit(**_JIT)
+def _lattice_round(xt: np.ndarray, wat: np.ndarray, inv: np.ndarray, scale: np.ndarray, lane_on: np.ndarray,
+                   only: np.ndarray, use_only: bool, nmax: int, dims: int, nbits: int, index_of_key: np.ndarray,
+                   neighbours: np.ndarray, points: np.ndarray, coords: np.ndarray,
+                   levels: np.ndarray, off: np.ndarray, scratch: np.ndarray) -> None:  # fmt: skip
+    """iq_lattice.LatticeGrid._round for a tile: every group's lattice point at inverse scale inv[t]
+    (an off-lattice group of a lane that is on: its best neighbour at scale[t], if searched; else
+    point 0), as levels [n, TILE], and which groups were off [groups, TILE]."""
+    n = xt.shape[0]
+    top, zero = F32(nmax - 1), F32(0.0)
+    terms = np.empty((dims, nmax), F32)  # _best_neighbour's per-level errors
+    wide = 0
+    for i in range(n):  # nearest_int((inv·x - 1)/2): rint, unless some value needs its wrap-around (or is NaN)
+        for t in range(TILE):
+            v = (inv[t] * xt[i, t] - F32(1.0)) * F32(0.5)
+            wide += np.int32(not abs(v) < F32(4194304.0))
+            levels[i, t] = min(max(np.rint(v), zero), top)
+    if wide:
+        for i in range(n):
+            for t in range(TILE):
+                v = (inv[t] * xt[i, t] - F32(1.0)) * F32(0.5)
+                levels[i, t] = min(max(_nearest_int_exact(v, scratch), zero), top)
+    for g in range(n // dims):
+        for t in range(TILE):
+            key = 0
+            for i in range(dims):
+                key += np.int64(levels[g * dims + i, t]) << (nbits * i)
+            index = index_of_key[key]
+            off[g, t] = index < 0
+            if index < 0:  # not a point: the best neighbour's levels, or point 0's where not searched
+                if lane_on[t] and (not use_only or only[g, t]) and neighbours[-index - 1] > 0:
+                    index = _best_neighbour(xt, wat, g, t, -index - 1, scale[t], dims, neighbours, points, coords,
+                                            terms)  # fmt: skip
+                index = max(index, 0)
                 for i in range(dims):
-                    diff = points[p, i] * scale - x[g * dims + i]
-                    d2 += diff * waux[g * dims + i] * diff
-                if d2 != d2:  # torch's argmin takes the first NaN
-                    best = p
-                    break
-                if not found or d2 < best_d2:
-                    best, best_d2, found = p, d2, True
-            index = best
-        index = max(index, 0)
-        for i in range(dims):
-            levels[g * dims + i] = F32(coords[index, i])
+                    levels[g * dims + i, t] = F32(coords[index, i])
 
 
 @numba.njit(**_JIT)
-def _lattice_sums(w: np.ndarray, x: np.ndarray, levels: np.ndarray) -> tuple[np.float32, np.float32]:
-    sumqx, sumq2 = F32(0.0), F32(0.0)
-    for i in range(x.shape[0]):
-        q = levels[i] * F32(2.0) + F32(1.0)
-        sumqx += w[i] * x[i] * q
-        sumq2 += w[i] * q * q
-    return sumqx, sumq2
+def _lattice_sums(wt: np.ndarray, xt: np.ndarray, levels: np.ndarray, sumqx: np.ndarray, sumq2: np.ndarray) -> None:
+    """Per lane Σ w·x·q and Σ w·q·q with q = 2l + 1, from +0 in element order."""
+    for t in range(TILE):
+        sumqx[t] = F32(0.0)
+        sumq2[t] = F32(0.0)
+    for i in range(levels.shape[0]):
+        for t in range(TILE):
+            q = levels[i, t] * F32(2.0) + F32(1.0)
+            sumqx[t] += wt[i, t] * xt[i, t] * q
+            sumq2[t] += wt[i, t] * q * q
 
 
 @numba.njit(**_JIT)
 def lattice_search(xval: np.ndarray, weight: np.ndarray, waux: np.ndarray, base: np.ndarray, scale0: np.ndarray,
                    active: np.ndarray, numerators: np.ndarray, requant: int, nmax: int, dims: int, nbits: int,
-                   index_of_key: np.ndarray, neighbours: np.ndarray, counts: np.ndarray, points: np.ndarray,
+                   index_of_key: np.ndarray, neighbours: np.ndarray, points: np.ndarray,
                    coords: np.ndarray, scale_out: np.ndarray, levels_out: np.ndarray) -> None:  # fmt: skip
-    """iq_lattice.LatticeGrid._sub_block_search's trials and re-rounding, sub-blocks by rows [S, n]:
-    trial k's inverse scale is numerators[k]/base; the best Σwqx²/Σwq² wins; then groups are rounded
-    again against the winning scale (`requant` 0: the off-lattice ones, 1: all, 2: all if any was off)
-    and the scale refitted. Writes the raw scale (before the sign flip and the inactive mask) and levels."""
-    n = xval.shape[1]
+    """iq_lattice.LatticeGrid._sub_block_search's trials and re-rounding, sub-blocks by rows [S, n], on
+    tiles of TILE sub-blocks: trial k's inverse scale is numerators[k]/base; the best Σwqx²/Σwq² wins;
+    then groups are rounded again against the winning scale (`requant` 0: the off-lattice ones, 1: all,
+    2: all if any was off) and the scale refitted. Writes the raw scale (before the sign flip and the
+    inactive mask) and the levels."""
+    blocks, n = xval.shape
     groups = n // dims
     zero = F32(0.0)
-    levels, best_levels = np.empty((2, n), F32)
-    off, on_grid, regroup = np.empty((3, groups), np.bool_)
+    xt, wt, wat, lt, best_l = np.empty((5, n, TILE), F32)
+    inv, sc, scale, best, sumqx, sumq2, base_t = np.empty((7, TILE), F32)
+    off, on_grid, regroup = np.empty((3, groups, TILE), np.bool_)
+    on, better, redo = np.empty((3, TILE), np.bool_)
     scratch = np.empty(1, F32)
-    for s in range(xval.shape[0]):
-        x, w, wa = xval[s], weight[s], waux[s]
-        scale, best = scale0[s], zero
-        best_levels[:] = zero
+    for b0 in range(0, blocks, TILE):
+        m = min(TILE, blocks - b0)
+        _load_tile(xval, xt, b0, m)
+        _load_tile(weight, wt, b0, m)
+        _load_tile(waux, wat, b0, m)
+        for t in range(TILE):
+            b = b0 + t if t < m else b0
+            on[t] = active[b] and t < m
+            base_t[t], scale[t], best[t] = base[b], scale0[b], zero
+        best_l[:] = zero
         on_grid[:] = requant != 2
-        if active[s]:
+        if on.any():
             for k in range(numerators.shape[0]):
-                inv = numerators[k] / base[s]
-                _lattice_round(x, wa, inv, F32(1.0) / inv, nmax, dims, nbits, index_of_key, neighbours, counts,
-                               points, coords, regroup, False, levels, off, scratch)  # fmt: skip
-                sumqx, sumq2 = _lattice_sums(w, x, levels)
-                if sumq2 > zero and sumqx * sumqx > best * sumq2:
-                    scale = sumqx / sumq2
-                    best = scale * sumqx
-                    best_levels[:] = levels
-                    for g in range(groups):
-                        on_grid[g] = not off[g]
-            redo = scale > zero
-            if requant != 1:
-                redo = redo and not on_grid.all()
-            if redo:
+                for t in range(TILE):
+                    inv[t] = numerators[k] / base_t[t]
+                    sc[t] = F32(1.0) / inv[t]
+                _lattice_round(xt, wat, inv, sc, on, regroup, False, nmax, dims, nbits, index_of_key, neighbours,
+                               points, coords, lt, off, scratch)  # fmt: skip
+                _lattice_sums(wt, xt, lt, sumqx, sumq2)
+                for t in range(TILE):
+                    better[t] = on[t] and sumq2[t] > zero and sumqx[t] * sumqx[t] > best[t] * sumq2[t]
+                    if better[t]:
+                        scale[t] = sumqx[t] / sumq2[t]
+                        best[t] = scale[t] * sumqx[t]
+                for i in range(n):
+                    for t in range(TILE):
+                        best_l[i, t] = lt[i, t] if better[t] else best_l[i, t]
                 for g in range(groups):
-                    regroup[g] = not on_grid[g] if requant == 0 else True
-                _lattice_round(x, wa, F32(1.0) / scale, scale, nmax, dims, nbits, index_of_key, neighbours, counts,
-                               points, coords, regroup, True, levels, off, scratch)  # fmt: skip
+                    for t in range(TILE):
+                        on_grid[g, t] = (not off[g, t]) if better[t] else on_grid[g, t]
+            for t in range(TILE):
+                redo[t] = on[t] and scale[t] > zero and (requant == 1 or not on_grid[:, t].all())
+                sc[t] = scale[t] if redo[t] else F32(1.0)
+                inv[t] = F32(1.0) / sc[t]
+            if redo.any():
                 for g in range(groups):
-                    if regroup[g]:
-                        for i in range(dims):
-                            best_levels[g * dims + i] = levels[g * dims + i]
-                sumqx, sumq2 = _lattice_sums(w, x, best_levels)
-                if sumq2 > zero:
-                    scale = sumqx / sumq2
-        scale_out[s] = scale
-        levels_out[s] = best_levels
+                    for t in range(TILE):
+                        regroup[g, t] = redo[t] and (requant != 0 or not on_grid[g, t])
+                _lattice_round(xt, wat, inv, sc, redo, regroup, True, nmax, dims, nbits, index_of_key, neighbours,
+                               points, coords, lt, off, scratch)  # fmt: skip
+                for g in range(groups):
+                    for i in range(dims):
+                        for t in range(TILE):
+                            if regroup[g, t]:
+                                best_l[g * dims + i, t] = lt[g * dims + i, t]
+                _lattice_sums(wt, xt, best_l, sumqx, sumq2)
+                for t in range(TILE):
+                    if redo[t] and sumq2[t] > zero:
+                        scale[t] = sumqx[t] / sumq2[t]
+        for t in range(m):
+            scale_out[b0 + t] = scale[t]
+            for i in range(n):
+                levels_out[b0 + t, i] = best_l[i, t]
 
 
 # ----------------------------------------------------------------------------------- make_qp_quants
-@numba.njit(**_JIT)
+@numba.njit(inline="always", **_JIT)  # called per element or group: no call overhead
 def _wrap_u8(v: np.float32) -> np.float32:
     """C's `(uint8_t) int` of an integer-valued float: modulo 256."""
     return v - F32(256.0) * np.floor(v / F32(256.0))

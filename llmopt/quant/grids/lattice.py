@@ -79,6 +79,25 @@ class Lattice:
         return (self.neighbours >= 0).sum(dim=1)
 
     @functools.cached_property
+    def compact_map(self) -> tuple[np.ndarray, np.ndarray]:
+        """`index_of_key` and `neighbours` in the compact form the compiled search reads (llama.cpp's
+        kmap and neighbour list): map int32 [keys], a point's index, or for an off-lattice key -(s + 1)
+        where list[s] is its candidate count and list[s+1 ...] the candidates (int16). A few hundred
+        kB, where the padded table is megabytes (IQ2: 65536 keys x 150)."""
+        kmap = self.index_of_key.numpy().astype(np.int32)
+        counts = self.neighbour_counts.numpy()
+        off = np.flatnonzero((kmap < 0) & (counts > 0))
+        n = counts[off]
+        starts = np.concatenate([[0], np.cumsum(n + 1)[:-1]]).astype(np.int64)
+        flat = np.zeros(int((n + 1).sum()), dtype=np.int16)
+        flat[starts] = n
+        cols = np.arange(self.neighbours.shape[1])
+        taken = cols[None, :] < n[:, None]
+        flat[(starts[:, None] + 1 + cols[None, :])[taken]] = self.neighbours.numpy()[off][taken]
+        kmap[off] = -(starts + 1)
+        return kmap, flat
+
+    @functools.cached_property
     def read_values(self) -> torch.Tensor:
         """What every point's coordinates read back as (ggml-common.h's grid), float32 [points, dims]."""
         return torch.tensor(self.levels, dtype=torch.float32)[torch.from_numpy(self.coords)]

@@ -45,16 +45,22 @@ def measure(source: ModelSource, names: Mapping[str, str], options: Mapping[str,
     """The cost table of `names` (table name -> HF tensor name) over calibration `samples` [n, t]:
     one Fisher pass, then each tensor rounded (`rounded(option, weight, importance)`) to each of its
     `options`. `importance` (table name -> vector) replaces the imatrix this pass measures."""
-    # a fused tensor (Phi-3's attn_qkv) is its parts' rows: their diagonals stacked, their one input's importance
-    parts = {hf: (source.arch.family.part_names(hf) if hf not in source.tensors else None) or [hf] for hf in names.values()}
+    # a fused tensor (Phi-3's attn_qkv) is its parts' rows: their diagonals stacked, their one input's
+    # importance; an expert stack is its experts': diagonals stacked, one importance row per expert
+    family = source.arch.family
+    parts = {hf: (family.part_names(hf, source.arch) if hf not in source.tensors else None) or [hf] for hf in names.values()}
     fisher = fisher_diagonal(source, samples, [p for group in parts.values() for p in group], seed=seed, device=device,
                              on_sample=None if on_step is None else lambda i, n: on_step("fisher", i, n))  # fmt: skip
     result = Sensitivities(key=key)
-    result.importance = {name: fisher.importance[parts[hf][0]] for name, hf in names.items() if parts[hf][0] in fisher.importance}
+    for name, hf in names.items():
+        seen = [fisher.importance[p] for p in parts[hf] if p in fisher.importance]
+        if family.is_stack(hf) and seen:  # an expert no calibration token reached: a row of zeros, as llama-imatrix
+            result.importance[name] = torch.cat([fisher.importance.get(p, torch.zeros_like(seen[0])) for p in parts[hf]])
+        elif parts[hf][0] in fisher.importance:
+            result.importance[name] = fisher.importance[parts[hf][0]]
     weights = result.importance if importance is None else importance
     for done, (name, hf_name) in enumerate(names.items()):
-        weight = source.load_stored(hf_name, dtype=torch.float32)
-        weight = weight.reshape(-1, weight.shape[-1])
+        weight = source.load_stored(hf_name, dtype=torch.float32)  # 2-D, or an expert stack [experts, rows, cols]
         diag = torch.cat([fisher.diagonal.pop(p).reshape(-1, weight.shape[-1]) for p in parts[hf_name]]).reshape(weight.shape)
         result.options[name] = list(options[name])
         result.cost[name] = [predicted_kld(diag, weight, rounded(o, weight, weights.get(name))) for o in options[name]]

@@ -70,9 +70,11 @@ def fisher_diagonal(source: ModelSource, samples: torch.Tensor, names: Sequence[
             with torch.no_grad():
                 drawn = torch.multinomial(logp.exp().cpu(), 1, generator=gen).to(device)
             loss = -logp.gather(-1, drawn).sum()
-            grads = torch.autograd.grad(loss, list(params.values()))
+            # a MoE expert no token of this sample was routed to takes no part: no gradient, nothing added
+            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
             for (pname, s), g in zip(sums.items(), grads):
-                s.addcmul_(g, g)
+                if g is not None:
+                    s.addcmul_(g, g)
             del logits, logp, loss, grads
             if on_sample is not None:
                 on_sample(i + 1, n)

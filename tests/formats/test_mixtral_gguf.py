@@ -87,3 +87,26 @@ def test_expert_rules_match_llama_cpp_on_32_layers(tmp_path, mix: str) -> None:
     ours = plan_shapes(shapes, mix, arch)
     assert ours["blk.0.ffn_gate_inp.weight"] == "F32"
     assert ours == llama_dry_run_types(path, mix)
+
+
+def test_automatic_mix_types_each_expert_stack_whole(tmp_path) -> None:
+    """`--target-bpw` on Mixtral: the Fisher pass reaches each expert through its routed tokens (an
+    expert no sample reached adds nothing), each stack is priced and typed whole with one importance
+    row per expert, the file fits the target, and llama.cpp runs it with our top-1."""
+    from tests.factories import CORPUS
+
+    calib = tmp_path / "c.txt"
+    calib.write_text(CORPUS)
+    path = make_tiny_mixtral(tmp_path / "mixtral")
+    out = tmp_path / "auto.gguf"
+    result = convert_to_gguf(path, out, target_bpw=4.5, calib=str(calib), sensitivity_samples=4, seqlen=64)
+    reader = gguf.GGUFReader(str(out))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert {n for n in types if "_exps" in n} == {f"blk.{i}.ffn_{k}_exps.weight" for i in range(2) for k in ("gate", "up", "down")}
+    assert len({types[n] for n in types if "_exps" in n}) > 1, types  # the stacks were chosen for, not one preset
+    params = sum(int(np.prod(t.shape)) for t in reader.tensors)
+    assert out.stat().st_size <= result["automix"]["target_bytes"] and result["automix"]["target_bytes"] <= params * 4.5 / 8 + 1e6
+    x = ids(40, seed=5)
+    with open_model(out) as src, torch.no_grad():
+        ours = Decoder.from_source(src)(x)[0]
+    assert_same_top1(ours, llama_cpp_logits(out, x[0].tolist()), "mixtral automatic mix", atol=0.05)

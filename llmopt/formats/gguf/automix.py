@@ -24,20 +24,20 @@ from llmopt.calibration.samples import CalibConfig, load_calibration
 from llmopt.errors import OptionError
 from llmopt.formats.gguf.mixes import CLASSIC_MIXES, DEFAULT_TYPE, allows_quantization, category, gguf_shapes, plan_shapes
 from llmopt.formats.gguf.types import CANDIDATES, aligned, candidate_types, is_quantized, tensor_nbytes
-from llmopt.formats.gguf.writer import GgufPlan, Provenance, plan_gguf
+from llmopt.formats.gguf.writer import GgufPlan, Provenance, plan_gguf, quantize_stored
 from llmopt.formats.sensitivity import Sensitivities, cache_key, load, measure, save
 from llmopt.model.source import ModelSource
 from llmopt.quant.allocate import Allocation, Option, allocate
-from llmopt.quant.grids import quantize
 
 ESTIMATOR = "fisher-diagonal/1"  # bump when the cost definition changes: old caches are then ignored
 
 
 def rounded(type_name: str, weight: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
-    """`weight` as llama.cpp's search rounds it to `type_name` (weighted by `importance`), dequantized."""
+    """`weight` as llama.cpp's search rounds it to `type_name` (weighted by `importance`), dequantized
+    (an expert stack: each expert with its own importance row, as the writer rounds it)."""
     if type_name == "F16":
         return weight.to(torch.float16).to(torch.float32)
-    return quantize(type_name, weight, importance).dequantize()
+    return quantize_stored(type_name, weight, importance).dequantize().reshape(weight.shape)
 
 
 def choose(shapes: Mapping[str, Sequence[int]], sens: Sensitivities, budget: int,

@@ -319,14 +319,23 @@ def _encode(source: ModelSource, planned: PlannedTensor, weight: torch.Tensor,
         return weight.to(torch.float16).contiguous().numpy()
     if kind == "BF16":
         return weight.to(torch.bfloat16).contiguous().view(torch.uint8).numpy()
-    if importance is not None and weight.dim() == 3 and weight.shape[0] > 1 and importance.numel() == weight.shape[0] * weight.shape[-1]:
-        # an expert stack: each expert quantized with its own row of the imatrix (as llama-quantize does)
-        rows = importance.reshape(weight.shape[0], -1)
-        return pack(QuantizedTensor.stack_rows([quantize(kind, w, i) for w, i in zip(weight, rows)]))
-    if importance is not None and importance.numel() != weight.shape[-1]:
+    if importance is not None and not _per_expert(weight, importance) and importance.numel() != weight.shape[-1]:
         raise InputError(f"imatrix entry for {planned.gguf_name} has {importance.numel()} values, "
                          f"the tensor has {weight.shape[-1]} columns")  # fmt: skip
-    return pack(quantize(kind, weight.reshape(-1, weight.shape[-1]), importance))
+    return pack(quantize_stored(kind, weight, importance))
+
+
+def quantize_stored(type_name: str, weight: torch.Tensor, importance: torch.Tensor | None) -> QuantizedTensor:
+    """A tensor as stored (2-D, or an expert stack [experts, rows, cols]) rounded onto `type_name`'s grid,
+    rows in order; a stack's experts each with their own row of a per-expert imatrix, as llama-quantize."""
+    if importance is not None and _per_expert(weight, importance):
+        rows = importance.reshape(weight.shape[0], -1)
+        return QuantizedTensor.stack_rows([quantize(type_name, w, i) for w, i in zip(weight, rows)])
+    return quantize(type_name, weight.reshape(-1, weight.shape[-1]), importance)
+
+
+def _per_expert(weight: torch.Tensor, importance: torch.Tensor) -> bool:
+    return weight.dim() == 3 and weight.shape[0] > 1 and importance.numel() == weight.shape[0] * weight.shape[-1]
 
 
 def encode_computed(source: ModelSource, planned: PlannedTensor, qt: QuantizedTensor) -> np.ndarray:

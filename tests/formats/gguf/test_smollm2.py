@@ -96,13 +96,14 @@ def test_legacy_bytes_and_dequantization_equal_the_gguf_package(smollm2_hf: Path
             assert np.array_equal(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(ours.shape), ours)
 
 
-@pytest.mark.parametrize("mix", ["IQ2_XXS"])
+@pytest.mark.parametrize("mix", ["IQ2_XXS", "IQ3_M", "Q2_K_S"])
 def test_i_quant_mixes_with_an_imatrix(smollm2_hf: Path, smol, tmp_path: Path, mix: str) -> None:
-    """A lattice i-quant mix, which llama-quantize refuses without an importance matrix: with one
-    (random, the same for both tools) our file is block-for-block llama_model_quantize's of our F16,
-    loads in llama.cpp and answers. (SmolLM2's 576-wide rows fall back to IQ4_NL; ffn_down, 1536
-    wide, is on the lattice types.) One mix on the real model (IQ3_XXS took 121 s more of CI); every
-    imatrix mix is byte-checked on a random model in test_writer.py."""
+    """Mixes llama-quantize refuses without an importance matrix (lattice i-quants; Q2_K_S's Q2_K): with
+    one (random, the same for both tools) our file is block-for-block llama_model_quantize's of our F16,
+    loads in llama.cpp and answers. (SmolLM2's 576-wide rows fall back to IQ4_NL or Q4_K; ffn_down,
+    1536 wide, takes the imatrix types.) Three mixes on the real model, one per family of rules (the
+    IQ1 and the other IQ2/IQ3 mixes cost 20-50 s each here); every imatrix mix is byte-checked on a
+    random model in test_writer.py."""
     from tests.formats.gguf.test_writer import blocks
 
     g = torch.Generator().manual_seed(0)
@@ -111,8 +112,8 @@ def test_i_quant_mixes_with_an_imatrix(smollm2_hf: Path, smol, tmp_path: Path, m
         importance = {t.gguf_name: torch.rand(t.shape[-1], generator=g) ** 3 * 5 + 0.01 for t in plan.tensors
                       if t.gguf_name.startswith("blk.") and len(t.shape) == 2}  # fmt: skip
         ours = write_gguf(src, tmp_path / "ours.gguf", plan, importance=importance)
-    lattice = {n for n, (t, _) in blocks(ours).items() if t.startswith(("IQ2", "IQ3"))}
-    assert any("ffn_down" in n for n in lattice)
+    needs = {n for n, (t, _) in blocks(ours).items() if t.startswith(("IQ2", "IQ3")) or (mix == "Q2_K_S" and t == "Q2_K")}
+    assert any("ffn_down" in n for n in needs)  # the types llama-quantize will not write without an imatrix
     theirs = llama_quantize(smol("F16"), tmp_path / "theirs.gguf", mix, nthread=2,
                             imatrix={n: v.numpy() for n, v in importance.items()})  # fmt: skip
     assert_same_as_llama_cpp(ours, theirs)

@@ -366,10 +366,11 @@ def _best_neighbour(xt: np.ndarray, wat: np.ndarray, g: int, t: int, start: int,
     for c in range(count):
         p = neighbours[start + 1 + c]
         d2 = F32(0.0)
-        for i in range(dims):
-            if tabled:
+        if tabled:
+            for i in range(dims):
                 d2 += terms[i, coords[p, i]]
-            else:
+        else:
+            for i in range(dims):
                 diff = points[p, i] * scale - xt[g * dims + i, t]
                 d2 += diff * wat[g * dims + i, t] * diff
         if d2 != d2:

@@ -65,13 +65,20 @@ class Lattice:
         d2 = np.zeros((len(pos), len(grid)), dtype=np.int32)
         for i in range(self.dims):
             d2 += (grid[None, :, i] - pos[:, None, i]).astype(np.int32) ** 2
-        order = np.argsort(d2, axis=1, kind="stable")  # ties by point index, as llama.cpp's compare
-        ranked = np.take_along_axis(d2, order, axis=1)
-        distinct = np.cumsum(np.diff(ranked, axis=1, prepend=ranked[:, :1]) > 0, axis=1)  # 0 for the nearest
-        keep = distinct < self.nwant
+        big = np.iinfo(np.int32).max
+        limit = d2.min(axis=1)  # the nwant-th smallest distinct distance (or the largest there is)
+        for _ in range(1, self.nwant):
+            above = np.where(d2 > limit[:, None], d2, big).min(axis=1)
+            limit = np.where(above == big, limit, above)
+        keep = d2 <= limit[:, None]
         width = int(keep.sum(axis=1).max())
+        # the kept points by (distance, index), as llama.cpp's compare: partition out the `width` smallest, sort those
+        npts, none = d2.shape[1], np.iinfo(np.int64).max
+        rank = np.where(keep, d2.astype(np.int64) * npts + np.arange(npts), none)
+        part = np.argpartition(rank, width - 1, axis=1)[:, :width]
+        order = np.take_along_axis(part, np.argsort(np.take_along_axis(rank, part, axis=1), axis=1), axis=1)
         table = np.full((len(self.keys), width), -1, dtype=np.int16)
-        table[reachable] = np.where(keep[:, :width], order[:, :width], -1)
+        table[reachable] = np.where(np.take_along_axis(rank, order, axis=1) < none, order, -1)
         return torch.from_numpy(table)
 
     @functools.cached_property

@@ -47,7 +47,7 @@ class SymmetricGrid(BlockGrid):
     def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         rows = w.shape[0]
         half = 1 << (self.bits - 1)
-        if importance is None and (kernels := compiled_for(w)) is not None:
+        if importance is None and (kernels := compiled_for(w, if_loaded=True)) is not None:
             codes, d = torch.empty(w.shape, dtype=torch.uint8), torch.empty(w.numel() // QK)
             kernels.symmetric_rows(w.reshape(-1, QK).numpy(), half, codes.view(-1, QK).numpy(), d.numpy())
             return {"codes": codes, "d": d.to(torch.float16).reshape(rows, -1)}
@@ -81,7 +81,7 @@ class AffineGrid(BlockGrid):
     def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         rows = w.shape[0]
         levels = (1 << self.bits) - 1
-        if importance is None and (kernels := compiled_for(w)) is not None:
+        if importance is None and (kernels := compiled_for(w, if_loaded=True)) is not None:
             q, d, m = torch.empty(w.shape, dtype=torch.uint8), torch.empty(w.numel() // QK), torch.empty(w.numel() // QK)
             kernels.affine_rows(w.reshape(-1, QK).numpy(), levels, q.view(-1, QK).numpy(), d.numpy(), m.numpy())
         elif importance is None:  # row-major [blocks, 32]
@@ -120,7 +120,7 @@ class Q8Grid(BlockGrid):
 
     def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         rows = w.shape[0]
-        if (kernels := compiled_for(w)) is not None:
+        if (kernels := compiled_for(w, if_loaded=True)) is not None:
             codes, d = torch.empty(w.shape, dtype=torch.uint8), torch.empty(w.numel() // QK)
             kernels.q8_0_rows(w.reshape(-1, QK).numpy(), codes.view(-1, QK).numpy(), d.numpy())
             return {"codes": codes, "d": d.to(torch.float16).reshape(rows, -1)}

@@ -14,6 +14,7 @@ C reference step by step so the same inputs give the same levels:
 
 from __future__ import annotations
 
+import sys
 from functools import cache
 from types import ModuleType
 
@@ -54,9 +55,15 @@ def _use_compiled(x: torch.Tensor) -> bool:
     return COMPILED and x.device.type == "cpu" and x.shape[1] > 0
 
 
-def compiled_for(x: torch.Tensor) -> ModuleType | None:
-    """The numba kernels (compiled.py) if they apply to `x` (a CPU tensor, COMPILED on), else None."""
-    return _kernels() if COMPILED and x.device.type == "cpu" and x.numel() > 0 else None
+def compiled_for(x: torch.Tensor, if_loaded: bool = False) -> ModuleType | None:
+    """The numba kernels (compiled.py) if they apply to `x` (a CPU tensor, COMPILED on), else None.
+    `if_loaded`: only if already imported (where torch is nearly as fast, numba's import and first
+    call, about 0.6 s, are worth paying only when some search needs them anyway)."""
+    if not (COMPILED and x.device.type == "cpu" and x.numel() > 0):
+        return None
+    if if_loaded and "llmopt.quant.grids.compiled" not in sys.modules:
+        return None
+    return _kernels()
 
 
 def _f32(t: torch.Tensor) -> np.ndarray:

@@ -71,18 +71,23 @@ class GGUFSource(ModelSource):
         dtype = torch_dtype(dtype)
         raw, shape, rows = self.stored_tensor(name)
         qtype = raw.tensor_type
+        data = raw.data
+        if rows is not None:  # one expert of a stack, one part of a fused tensor: only its rows are read
+            data = np.asarray(data)
+            data = data.reshape(-1, data.shape[-1])[rows]  # rows of values, or of block bytes
+            shape = self.tensors[name].shape
         if qtype == GGMLQuantizationType.F32:
-            t = torch.from_numpy(np.array(raw.data, dtype=np.float32))
+            t = torch.from_numpy(np.array(data, dtype=np.float32))
         elif qtype == GGMLQuantizationType.F16:
-            t = torch.from_numpy(np.array(raw.data, dtype=np.float16))
+            t = torch.from_numpy(np.array(data, dtype=np.float16))
         elif qtype == GGMLQuantizationType.BF16:
-            t = torch.from_numpy(np.array(raw.data).view(np.int16)).view(torch.bfloat16)
+            t = torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
         else:
             try:
-                t = torch.from_numpy(dequantize(raw.data, qtype))
+                t = torch.from_numpy(dequantize(data, qtype))
             except NotImplementedError:
                 raise InputError(f"{self.path}: tensor {raw.name} is {qtype.name}, which llmopt cannot read") from None
-        t = self.hf_rows(name, t.reshape(shape), rows)
+        t = self.hf_rows(name, t.reshape(shape), None)
         shift = self.arch.family.gguf_shift(name)
         if shift:  # Gemma's norms: the file holds shift + w (exact in float32 for a bf16 checkpoint's w)
             t = t.float() - shift

@@ -69,13 +69,8 @@ class GGUFSource(ModelSource):
         import torch
 
         dtype = torch_dtype(dtype)
-        raw, shape, rows = self.stored_tensor(name)
+        raw, data, shape = self.stored_tensor(name)
         qtype = raw.tensor_type
-        data = raw.data
-        if rows is not None:  # one expert of a stack, one part of a fused tensor: only its rows are read
-            data = np.asarray(data)
-            data = data.reshape(-1, data.shape[-1])[rows]  # rows of values, or of block bytes
-            shape = self.tensors[name].shape
         if qtype == GGMLQuantizationType.F32:
             t = torch.from_numpy(np.array(data, dtype=np.float32))
         elif qtype == GGMLQuantizationType.F16:
@@ -87,24 +82,27 @@ class GGUFSource(ModelSource):
                 t = torch.from_numpy(dequantize(data, qtype))
             except NotImplementedError:
                 raise InputError(f"{self.path}: tensor {raw.name} is {qtype.name}, which llmopt cannot read") from None
-        t = self.hf_rows(name, t.reshape(shape), None)
+        t = self.hf_rows(name, t.reshape(shape))
         shift = self.arch.family.gguf_shift(name)
         if shift:  # Gemma's norms: the file holds shift + w (exact in float32 for a bf16 checkpoint's w)
             t = t.float() - shift
         return t if dtype is None else t.to(dtype)
 
-    def stored_tensor(self, name: str) -> tuple[Any, tuple[int, ...], slice | None]:
-        """The file's tensor that holds `name` (gguf's ReaderTensor), its HF-orientation shape, and
-        the rows of it that are `name` (None: all)."""
+    def stored_tensor(self, name: str) -> tuple[Any, np.ndarray, tuple[int, ...]]:
+        """The file's tensor that holds `name` (gguf's ReaderTensor), the part of its data that is `name`
+        (the map itself, or a view of an expert's or a fused part's rows of values or block bytes: only
+        those are read), and `name`'s HF-orientation shape."""
         stored, rows = self.stored_rows(name)
-        info = self.tensors[name] if rows is None else self.fused_tensors[stored]
-        return self._by_stored[info.stored_name], info.shape, rows
+        if rows is None:
+            info = self.tensors[name]
+            raw = self._by_stored[info.stored_name]
+            return raw, raw.data, info.shape
+        raw = self._by_stored[self.fused_tensors[stored].stored_name]
+        data = np.asarray(raw.data)  # an expert stack [experts, rows, ...]: rows counted over all experts
+        return raw, data.reshape(-1, data.shape[-1])[rows], self.tensors[name].shape
 
-    def hf_rows(self, name: str, t: torch.Tensor, rows: slice | None) -> torch.Tensor:
-        """Rows of the stored tensor `t` (values, or block bytes per row) as `name`'s rows in HF order:
-        a fused tensor's part sliced (Phi-3's attn_qkv), llama.cpp's Q/K permutation undone."""
-        if rows is not None:  # an expert stack [experts, rows, ...]: rows counted over all experts
-            t = (t.flatten(0, 1) if t.dim() == 3 else t)[rows]
+    def hf_rows(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """`name`'s rows (values, or block bytes per row) in HF order: llama.cpp's Q/K permutation undone."""
         heads = self.arch.family.qk_heads(name, self.arch.num_heads, self.arch.num_kv_heads)
         return t if heads is None else unpermute_from_gguf(t, heads)
 

@@ -42,9 +42,9 @@ DENSE_TYPES = (Q.F32, Q.BF16)  # loaded as ordinary float weights
 def raw_rows(source: GGUFSource, name: str) -> tuple[GGMLQuantizationType, torch.Tensor]:
     """The stored type and block bytes [rows, bytes per row] of 2-D tensor `name`, copied out of the
     file's map, rows in HF order (a fused tensor's part sliced, llama.cpp's Q/K permutation undone)."""
-    raw, shape, rows = source.stored_tensor(name)
-    data = torch.from_numpy(np.array(raw.data).view(np.uint8).reshape(*shape[:-1], -1))  # an expert stack: [experts, rows, bytes]
-    return raw.tensor_type, source.hf_rows(name, data, rows).contiguous()
+    raw, data, shape = source.stored_tensor(name)  # only `name`'s rows of an expert stack or a fused tensor
+    blocks = torch.from_numpy(np.array(data).view(np.uint8).reshape(*shape[:-1], -1))
+    return raw.tensor_type, source.hf_rows(name, blocks).contiguous()
 
 
 def dequantize_rows(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> torch.Tensor:

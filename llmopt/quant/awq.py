@@ -138,7 +138,6 @@ def best_scales(parts: list[ScaledStage], cfg: AWQConfig) -> tuple[torch.Tensor,
     x_mean = (sum(p.stats.abs_sum for p in parts) / max(total, 1)).to(torch.float32)
     hs = [p.stats.value() for p in parts]
     shares = [p.stats.tokens / total for p in parts]
-    x_mean = x_mean.to(hs[0].device)
     stacked = torch.cat([w for p in parts for w in p.weights])
     w_mean = weight_mean(stacked, group_bounds(stacked.shape[1], parts[0].grid))
 

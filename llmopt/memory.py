@@ -53,6 +53,21 @@ def release_mapped_files(root: Path) -> None:
             madvise(lo, hi - lo, MADV_DONTNEED)
 
 
+def return_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc malloc_trim; a no-op elsewhere).
+
+    glibc serves allocations below its mmap threshold from the heap, and that threshold grows to the
+    largest block freed so far (up to 32 MiB), so while a model is built tensor by tensor the freed
+    temporaries become holes between the kept weights that stay resident: 1.6 GB of a 7B Q4_K_M
+    load. Calling this after each tensor keeps resident memory at what is held."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None).malloc_trim(ctypes.c_size_t(0))
+    except (OSError, AttributeError):
+        pass
+
+
 def available_memory() -> int:
     """Bytes of memory the system can give without swapping (Linux MemAvailable; else all of RAM)."""
     try:

@@ -17,7 +17,7 @@ from torch import nn
 
 from llmopt.device import resolve_device
 from llmopt.errors import InputError, OptionError
-from llmopt.memory import available_memory
+from llmopt.memory import available_memory, return_freed_memory
 from llmopt.model import ModelSource, TokenizerInfo, open_model
 from llmopt.model.decoder import Decoder, Rotary, hf_to_param_name
 from llmopt.model.gguf_file import GGUFSource
@@ -142,6 +142,7 @@ def _gguf_decoder(source: GGUFSource, dtype: torch.dtype) -> Decoder:
             _replace(model, path, quantized_linear(qtype, data, model.get_submodule(path).bias, dtype))
         del data
         source.release_pages()  # copied out: the file's pages need not stay resident
+        return_freed_memory()  # nor the temporaries' heap pages
     return _finished(model, source, torch.device("cpu"))
 
 

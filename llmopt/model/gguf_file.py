@@ -66,11 +66,24 @@ class GGUFSource(ModelSource):
         self._tokenizer_read = False
 
     def load(self, name: str, dtype: torch.dtype | str | None = "float32") -> torch.Tensor:
+        raw, data, shape = self.stored_tensor(name)
+        return self._values(name, raw.tensor_type, data, shape, dtype)
+
+    def load_rows(self, name: str, rows: slice, dtype: torch.dtype | str | None = "float32") -> torch.Tensor:
+        raw, data, shape = self.stored_tensor(name)
+        if len(shape) != 2 or self.arch.family.qk_heads(name, self.arch.num_heads, self.arch.num_kv_heads):
+            return super().load_rows(name, rows, dtype)  # permuted rows: undone on the whole tensor
+        data = np.asarray(data).reshape(shape[0], -1)[rows]  # values, or block bytes, per row
+        if data.shape[0] == 0:  # (the dequantizers take no empty input)
+            return super().load_rows(name, rows, dtype)
+        return self._values(name, raw.tensor_type, data, (data.shape[0], shape[1]), dtype)
+
+    def _values(self, name: str, qtype: GGMLQuantizationType, data: np.ndarray, shape: tuple[int, ...],
+                dtype: torch.dtype | str | None) -> torch.Tensor:
+        """`name`'s stored `data` (all of it, or some of its rows) as float values in HF layout."""
         import torch
 
         dtype = torch_dtype(dtype)
-        raw, data, shape = self.stored_tensor(name)
-        qtype = raw.tensor_type
         if qtype == GGMLQuantizationType.F32:
             t = torch.from_numpy(np.array(data, dtype=np.float32))
         elif qtype == GGMLQuantizationType.F16:
@@ -81,7 +94,7 @@ class GGUFSource(ModelSource):
             try:
                 t = torch.from_numpy(dequantize(data, qtype))
             except NotImplementedError:
-                raise InputError(f"{self.path}: tensor {raw.name} is {qtype.name}, which llmopt cannot read") from None
+                raise InputError(f"{self.path}: tensor {self.tensors[name].stored_name} is {qtype.name}, which llmopt cannot read") from None
         t = self.hf_rows(name, t.reshape(shape))
         shift = self.arch.family.gguf_shift(name)
         if shift:  # Gemma's norms: the file holds shift + w (exact in float32 for a bf16 checkpoint's w)

@@ -116,12 +116,23 @@ class HFDirSource(ModelSource):
         return handle
 
     def load(self, name: str, dtype: torch.dtype | str | None = "float32") -> torch.Tensor:
+        return self._read(name, None, dtype)
+
+    def load_rows(self, name: str, rows: slice, dtype: torch.dtype | str | None = "float32") -> torch.Tensor:
+        return self._read(name, rows, dtype)
+
+    def _read(self, name: str, wanted: slice | None, dtype: torch.dtype | str | None) -> torch.Tensor:
+        """`name` (or its rows `wanted`), reading only those rows from the file."""
         dtype = torch_dtype(dtype)
         if name not in self.tensors:
             raise KeyError(name)
         stored, rows = self.stored_rows(name)
+        if wanted is not None:  # rows of a fused linear's part are rows of the stored tensor
+            lo, hi = (0, self.tensors[name].shape[0]) if rows is None else (rows.start, rows.stop)
+            span = range(lo, hi)[wanted]
+            rows = slice(span.start, span.stop)
         handle = self._handles[self._file_of[stored]]
-        # a view into safetensors' private map (a fused linear's part: only its rows are read)
+        # a view into safetensors' private map (a fused linear's part, or a slab: only its rows are read)
         key = self._key.get(stored, stored)
         t = handle.get_tensor(key) if rows is None else handle.get_slice(key)[rows]
         # always a copy: callers own what they get, and release_pages() may drop the map's pages

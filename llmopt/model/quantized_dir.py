@@ -104,6 +104,11 @@ class PackedDirSource(HFDirSource):
             return w.to(dtype or torch.float16)
         return super().load(name, dtype)
 
+    def load_rows(self, name: str, rows: slice, dtype: torch.dtype | str | None = "float32") -> torch.Tensor:
+        if name.endswith(".weight") and name.removesuffix(".weight") in self.modules:  # packed: unpacked whole
+            return self.load(name, dtype)[rows].clone()
+        return super().load_rows(name, rows, dtype)
+
     def _checked(self, module: str, qt: QuantizedTensor) -> QuantizedTensor:
         index = qt.group_index()
         if int(index.min()) < 0:

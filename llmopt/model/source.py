@@ -112,6 +112,11 @@ class ModelSource(ABC):
     def load(self, name: str, dtype: torch.dtype | str | None = "float32") -> torch.Tensor:
         """One tensor by HF name, dequantized and in HF layout; `dtype=None` keeps a float file's dtype."""
 
+    def load_rows(self, name: str, rows: slice, dtype: torch.dtype | str | None = "float32") -> torch.Tensor:
+        """Rows `rows` of `load(name, dtype)`, so a big tensor can be converted one slab at a time. This
+        fallback loads the whole tensor; readers that can read only those rows override it."""
+        return self.load(name, dtype)[rows].clone()
+
     @abstractmethod
     def tokenizer(self) -> TokenizerInfo | None:
         """The model's tokenizer, or None when the source carries none."""

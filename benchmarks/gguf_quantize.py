@@ -167,6 +167,7 @@ def main() -> None:
     p.add_argument("--llama7b", default=None, help="folder for the 13.5 GB Llama-2-7B-shaped peak-RSS run")
     p.add_argument("--llama7b-llama", action="store_true",
                    help="also time llama.cpp on the 7B shape (needs an extra 13.5 GB F16 GGUF, written by llmopt)")
+    p.add_argument("--llama7b-keep", action="store_true", help="keep the 7B-shaped HF dir for the next run (and reuse one found)")
     p.add_argument("--wide-layers", type=int, default=4, help="layers of the wide random model")
     p.add_argument("--models", default="smollm2,wide",
                    help="comma list: smollm2 (hidden 576: K mixes fall back to legacy types on most tensors), "
@@ -188,7 +189,7 @@ def main() -> None:
             hf = smollm2_hf(work) if model == "smollm2" else wide_hf(work, args.wide_layers)
             bench_model(model, hf, work, types, threads, args, rows, report)
         if args.llama7b:
-            report["llama7b"] = llama7b_peak(Path(args.llama7b), threads, args.llama7b_llama)
+            report["llama7b"] = llama7b_peak(Path(args.llama7b), threads, args.llama7b_llama, args.llama7b_keep)
     report["loadavg_end"] = os.getloadavg()
     print(f"load average start {report['loadavg_start']}, end {report['loadavg_end']}")
     print(f"{'model':8} {'type':16} {'llmopt s':>9} {'llama s':>8} {'ratio':>6} {'RSS MB':>7} {'llamaRSS':>8} {'bytes':>11}  identical blocks")
@@ -259,9 +260,10 @@ def bench_model(model: str, hf: Path, work: Path, types: list[str], threads: int
             theirs.unlink()
 
 
-def llama7b_peak(folder: Path, threads: int, with_llama: bool) -> dict:
+def llama7b_peak(folder: Path, threads: int, with_llama: bool, keep: bool = False) -> dict:
     """Write a Llama-2-7B-shaped random fp16 HF dir (safetensors shards), then Q4_K_M it with llmopt (and,
-    with `with_llama`, with llama.cpp from llmopt's F16 GGUF of it). Deletes everything it wrote."""
+    with `with_llama`, with llama.cpp from llmopt's F16 GGUF of it). Deletes everything it wrote unless
+    `keep` (then a later run reuses the HF dir)."""
     import torch
     from safetensors.torch import save_file
 
@@ -270,6 +272,9 @@ def llama7b_peak(folder: Path, threads: int, with_llama: bool) -> dict:
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
            "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
+    index = hf / "model.safetensors.index.json"
+    if index.exists():
+        return _llama7b_quantize(folder, hf, threads, with_llama, keep)
     (hf / "config.json").write_text(json.dumps(cfg))
     g = torch.Generator().manual_seed(0)
     weight_map = {}
@@ -287,7 +292,11 @@ def llama7b_peak(folder: Path, threads: int, with_llama: bool) -> dict:
         save_file(part, str(hf / fname))
         weight_map.update({n: fname for n in part})
         del part
-    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return _llama7b_quantize(folder, hf, threads, with_llama, keep)
+
+
+def _llama7b_quantize(folder: Path, hf: Path, threads: int, with_llama: bool, keep: bool) -> dict:
     out = folder / "llama2-7b-random-Q4_K_M.gguf"
     try:
         result = {"llmopt": run_job("llmopt", str(hf), str(out), "Q4_K_M", "")}
@@ -307,7 +316,8 @@ def llama7b_peak(folder: Path, threads: int, with_llama: bool) -> dict:
     finally:
         import shutil
 
-        shutil.rmtree(hf, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(hf, ignore_errors=True)
         for f in folder.glob("llama2-7b-random*.gguf"):
             f.unlink()
 

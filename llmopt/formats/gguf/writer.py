@@ -49,6 +49,8 @@ QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION: the block layouts written here
 # time (or after a larger tensor): resident memory stays within one tensor plus this, and small tensors
 # do not each pay for re-reading the process's maps and re-faulting the next one's pages.
 RELEASE_BYTES = 64 << 20
+# float32 bytes of a big tensor's rows read and encoded at once (_encode_slabs)
+SLAB_BYTES = 32 << 20
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -294,13 +296,44 @@ def encode_tensor(source: ModelSource, planned: PlannedTensor, importance: torch
         return gguf_only_values(source.arch)[planned.gguf_name].numpy()
     if weight is not None:
         return _encode(source, planned, weight.to(torch.float32), importance)
-    # float32 straight from the file's map (one conversion, no intermediate copy); other dtypes as stored
-    raw = source.load_stored(planned.hf_name, "float32")
     try:
-        return _encode(source, planned, raw, importance)
+        if _in_slabs(source, planned):
+            return _encode_slabs(source, planned, importance, release)
+        # float32 straight from the file's map (one conversion, no intermediate copy); other dtypes as stored
+        return _encode(source, planned, source.load_stored(planned.hf_name, "float32"), importance)
     finally:
         if release:
             source.release_pages()  # the file pages it was read from need not stay resident
+
+
+def _in_slabs(source: ModelSource, planned: PlannedTensor) -> bool:
+    """Whether a tensor is encoded a slab of rows at a time: a plain 2-D tensor (every GGML type rounds
+    each row on its own) bigger than one slab, whose rows llama.cpp does not permute."""
+    name, arch = planned.hf_name, source.arch
+    info = source.tensors.get(name or "")
+    return (info is not None and len(info.shape) == 2 and math.prod(info.shape) * 4 > SLAB_BYTES
+            and arch.family.qk_heads(name, arch.num_heads, arch.num_kv_heads) is None
+            and not arch.family.gguf_shift(name))
+
+
+def _encode_slabs(source: ModelSource, planned: PlannedTensor, importance: torch.Tensor | None,
+                  release: bool) -> np.ndarray:  # fmt: skip
+    """The bytes of `planned`, read and encoded SLAB_BYTES of float32 rows at a time, so the writer never
+    holds a whole big tensor in float32 (a 7B model's embeddings: 500 MB)."""
+    rows, cols = source.tensors[planned.hf_name].shape
+    step = max(1, SLAB_BYTES // (4 * cols))
+    out, at = np.empty(planned.nbytes, dtype=np.uint8), 0
+    for start in range(0, rows, step):
+        slab = source.load_rows(planned.hf_name, slice(start, start + step), "float32")
+        part = _encode(source, planned, slab, importance).reshape(-1).view(np.uint8)
+        del slab
+        if at + part.nbytes > out.nbytes:
+            raise InputError(f"{planned.gguf_name}: encoded more than the {planned.nbytes} bytes planned")
+        out[at:at + part.nbytes] = part
+        at += part.nbytes
+        if release:
+            source.release_pages()
+    return out if at == out.nbytes else out[:at]
 
 
 def _encode(source: ModelSource, planned: PlannedTensor, weight: torch.Tensor,

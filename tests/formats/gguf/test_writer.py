@@ -232,3 +232,28 @@ def test_llama_quantize_refuses_what_we_refuse_before_writing(wide, tmp_path: Pa
     with pytest.raises(InputError, match=first(wanted[0])):
         write(hf, tmp_path / "out.gguf", mix, importance=partial)
     assert list(tmp_path.glob("*out.gguf*")) == []
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "IQ4_XS", "Q8_0"])
+def test_big_tensors_encoded_in_slabs_match_llama_cpp(wide, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       mix: str) -> None:  # fmt: skip
+    """With slabs of 7 rows (so every tensor but Q/K, and an uneven last slab), read from the HF dir and
+    from the F16 GGUF, with an imatrix: the bytes are still llama.cpp's."""
+    from llmopt.formats.gguf import writer
+
+    hf, f16 = wide("llama")
+    with open_model(hf) as src:
+        arch = src.arch
+    g = torch.Generator().manual_seed(1)
+    names = [n for n in gguf_types(f16) if n.startswith("blk.") and n.endswith(".weight") and "norm" not in n]
+    importance = {n: torch.rand(arch.intermediate_size if "ffn_down" in n else arch.hidden_size, generator=g) ** 3
+                  for n in names}
+    theirs = llama_quantize(f16, tmp_path / "theirs.gguf", mix, imatrix={n: v.numpy() for n, v in importance.items()})
+    slabs = []
+    real = writer._encode_slabs
+    monkeypatch.setattr(writer, "_encode_slabs", lambda *a: slabs.append(a[1].gguf_name) or real(*a))
+    monkeypatch.setattr(writer, "SLAB_BYTES", 7 * 4 * arch.hidden_size)
+    for source in (hf, f16):
+        slabs.clear()
+        assert_same_as_llama_cpp(write(source, tmp_path / "ours.gguf", mix, importance=importance), theirs)
+        assert "token_embd.weight" in slabs and "blk.0.ffn_down.weight" in slabs and "blk.0.attn_q.weight" not in slabs

@@ -55,6 +55,8 @@ def test_float32_linears_equal_the_dequantized_linear_exactly(qtype, cls, monkey
     ref = torch.from_numpy(dequantize(data.numpy(), qtype))
     if isinstance(layer, NibbleLinear):
         assert torch.equal(layer.rows(slice(0, 48)), ref)
+    held = sum(b.untyped_storage().nbytes() for b in {b.untyped_storage().data_ptr(): b for b in layer.buffers()}.values())
+    assert held <= 1.03 * data.numel(), (held, data.numel())  # about the file's bytes (Q4_K: 148 for 144 a block)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, ref))
     ids = torch.tensor([[5, 0, 47], [5, 5, 1]])  # the same rows serve a tied embedding
     assert torch.equal(TiedQuantizedEmbedding(layer, torch.float32)(ids), ref[ids])

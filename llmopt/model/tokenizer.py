@@ -8,7 +8,7 @@ for that name (llama.cpp's `llama-vocab.cpp` is the authority), so ids match lla
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,13 @@ class TokenizerInfo:
     add_eos: bool = False
     chat_template: str | None = None
     pre: str | None = None  # GGUF pre-tokenizer name, when known
+    _spec: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+
+    def spec(self) -> dict[str, Any]:
+        """The tokenizer as its tokenizer.json dict, serialized once (0.1 s for a 49k vocabulary)."""
+        if self._spec is None:
+            self._spec = json.loads(self.tokenizer.to_str())
+        return self._spec
 
     @property
     def vocab_size(self) -> int:
@@ -120,11 +127,13 @@ def tokenizer_from_hf_dir(directory: Path) -> TokenizerInfo | None:
             raise InputError(f"{cfg_path}: `{key}` must be a token string, got {type(v).__name__} {v!r:.40}")
         return v
 
-    model = json.loads(tok.to_str()).get("model", {})
+    spec = json.loads(tok.to_str())
+    model = spec.get("model", {})
     kind = "sentencepiece" if model.get("byte_fallback") else model.get("type", "unknown").lower()
     return TokenizerInfo(
         tokenizer=tok,
         kind=kind,
+        _spec=spec,
         bos_token=special("bos_token"),
         eos_token=special("eos_token"),
         pad_token=special("pad_token"),

@@ -76,7 +76,7 @@ def pre_tokenizer_name(pre_tokenizer: dict[str, Any] | None) -> str:
 def vocab_metadata(info: TokenizerInfo, vocab_size: int) -> VocabMetadata:
     """Tokens, types and merges (or scores) for a model whose embedding has `vocab_size` rows."""
     tok = info.tokenizer
-    spec = json.loads(tok.to_str())
+    spec = info.spec()
     model = spec.get("model", {})
     if model.get("type") != "BPE":
         raise InputError(f"cannot write a {model.get('type')} tokenizer to GGUF; supported: BPE and SentencePiece-BPE")

@@ -15,14 +15,14 @@ from llmopt.formats.gguf.blocks import pack
 from llmopt.formats.gguf.writer import plan_gguf, write_gguf
 from llmopt.model import open_model
 from llmopt.quant.grids import quantize
-from llmopt.runtime.gguf_linear import (Int8GroupLinear, NibbleLinear, RawGGUFEmbedding, RawGGUFLinear,
+from llmopt.runtime.gguf_linear import (Int8GroupLinear, NibbleLinear, Q6KLinear, RawGGUFEmbedding, RawGGUFLinear,
                                         TiedQuantizedEmbedding, int4_parts, quantized_linear)
 from llmopt.runtime.int4 import PackedInt4Linear
 from llmopt.runtime.weights import load_model
 from tests.formats.gguf.models import make_wide_hf
 
 Q = GGMLQuantizationType
-QUANTIZED = (Int8GroupLinear, NibbleLinear, RawGGUFLinear, PackedInt4Linear)
+QUANTIZED = (Int8GroupLinear, NibbleLinear, Q6KLinear, RawGGUFLinear, PackedInt4Linear)
 
 
 def _blocks(qtype: GGMLQuantizationType, rows: int = 32, cols: int = 512, seed: int = 0) -> torch.Tensor:
@@ -43,7 +43,7 @@ def test_int4_parts_are_the_reference_dequantization(qtype):
 
 @pytest.mark.parametrize(("qtype", "cls"), [(Q.Q8_0, Int8GroupLinear), (Q.Q4_0, NibbleLinear), (Q.Q4_1, NibbleLinear),
                                            (Q.Q4_K, NibbleLinear), (Q.Q5_0, NibbleLinear),
-                                           (Q.Q5_1, NibbleLinear), (Q.Q6_K, RawGGUFLinear), (Q.IQ4_XS, RawGGUFLinear)])
+                                           (Q.Q5_1, NibbleLinear), (Q.Q6_K, Q6KLinear), (Q.IQ4_XS, RawGGUFLinear)])
 def test_float32_linears_equal_the_dequantized_linear_exactly(qtype, cls, monkeypatch):
     import llmopt.runtime.gguf_linear as gl
 
@@ -53,7 +53,7 @@ def test_float32_linears_equal_the_dequantized_linear_exactly(qtype, cls, monkey
     assert isinstance(layer, cls)
     x = torch.randn(3, 512)
     ref = torch.from_numpy(dequantize(data.numpy(), qtype))
-    if isinstance(layer, NibbleLinear):
+    if hasattr(layer, "rows"):
         assert torch.equal(layer.rows(slice(0, 48)), ref)
     held = sum(b.untyped_storage().nbytes() for b in {b.untyped_storage().data_ptr(): b for b in layer.buffers()}.values())
     assert held <= 1.03 * data.numel(), (held, data.numel())  # about the file's bytes (Q4_K: 148 for 144 a block)
@@ -159,3 +159,51 @@ def test_by_default_a_gguf_stays_quantized_only_when_dequantized_it_would_not_fi
     tight = load_model(str(path), "float32", "cpu").model
     assert sum(isinstance(m, QUANTIZED) for m in tight.modules()) == 2 * 7 + 1
     assert not any(isinstance(m, QUANTIZED) for m in load_model(str(path), "float32", "cpu", packed=False).model.modules())
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q6_K])
+def test_a_decode_step_takes_the_compiled_product(qtype, monkeypatch):
+    """One input row: the compiled product over the stored fields (gguf_gemv.py), equal to the
+    dequantized product up to float32 summation order; with a bias, and with a leading batch shape."""
+    import llmopt.runtime.gguf_linear as gl
+    from llmopt.runtime import gguf_gemv
+
+    data = _blocks(qtype, rows=40, cols=512, seed=3)
+    bias = torch.randn(40)
+    layer = quantized_linear(qtype, data, bias)
+    ref = torch.from_numpy(dequantize(data.numpy(), qtype))
+    x = torch.randn(1, 1, 512)
+    calls, real = [], gl.decode_product
+    monkeypatch.setattr(gl, "decode_product", lambda *a: calls.append(a[0]) or real(*a))
+    y = layer(x)
+    assert calls and gguf_gemv.compiled_products_work()
+    expected = torch.nn.functional.linear(x, ref, bias)
+    assert y.shape == (1, 1, 40)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    half = layer(x.bfloat16())  # a bfloat16 model's step: the product in float32, the result rounded
+    assert half.dtype == torch.bfloat16 and len(calls) == 2
+    torch.testing.assert_close(half.float(), torch.nn.functional.linear(x.bfloat16().float(), ref, bias),
+                               rtol=1e-2, atol=1e-2 * float(expected.abs().max()))  # fmt: skip
+
+
+def test_without_a_compiler_the_decode_step_takes_the_tile_path(monkeypatch, caplog):
+    """A compile failure is logged once and every later product is the exact tile path."""
+    from llmopt.runtime import gguf_gemv
+
+    def broken(fn):
+        def run(*args):
+            raise RuntimeError("no C++ compiler found\nmore")
+        return run
+
+    monkeypatch.setattr(gguf_gemv, "_compiled", {})
+    monkeypatch.setattr(gguf_gemv, "_failed", False)
+    monkeypatch.setattr(torch, "compile", broken)
+    data = _blocks(Q.Q4_0, rows=20, cols=256)
+    layer = quantized_linear(Q.Q4_0, data, None)
+    ref = torch.from_numpy(dequantize(data.numpy(), Q.Q4_0))
+    x = torch.randn(1, 256)
+    with caplog.at_level("WARNING"):
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, ref))
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, ref))
+    assert not gguf_gemv.compiled_products_work()
+    assert sum("no C++ compiler found" in r.getMessage() for r in caplog.records) == 1

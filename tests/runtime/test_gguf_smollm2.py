@@ -1,5 +1,6 @@
 """SmolLM2 GGUF files written by llmopt, run with their weights quantized in memory: greedy decoding
-gives the dequantized model's tokens (float32 compute), and memory holds about the file."""
+gives the dequantized model's tokens (float32 compute; decode steps through the compiled products of
+runtime/gguf_gemv.py), and memory holds about the file."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 from llmopt.api.generate import generate
 from llmopt.formats.gguf.writer import plan_gguf, write_gguf
 from llmopt.model import open_model
-from llmopt.runtime.gguf_linear import Int8GroupLinear, NibbleLinear, RawGGUFLinear
+from llmopt.runtime.gguf_gemv import compiled_products_work
+from llmopt.runtime.gguf_linear import Int8GroupLinear, NibbleLinear, Q6KLinear
 from llmopt.runtime.weights import load_model
 
 PROMPT = "The history of the Roman Empire"
@@ -34,7 +36,7 @@ def _held_bytes(model: torch.nn.Module) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("mix", "cls"), [("Q4_0", NibbleLinear), ("Q8_0", Int8GroupLinear), ("Q4_K_M", RawGGUFLinear)])
+@pytest.mark.parametrize(("mix", "cls"), [("Q4_0", NibbleLinear), ("Q8_0", Int8GroupLinear), ("Q4_K_M", Q6KLinear)])
 def test_greedy_64_tokens_equal_the_dequantized_model(smollm2_files, mix, cls):
     path = smollm2_files(mix)
     kept = load_model(str(path), "float32", "cpu", packed=True, gguf_quantized=True)
@@ -44,3 +46,4 @@ def test_greedy_64_tokens_equal_the_dequantized_model(smollm2_files, mix, cls):
     a = generate(kept, PROMPT, max_tokens=64, ignore_eos=True).token_ids
     b = generate(dense, PROMPT, max_tokens=64, ignore_eos=True).token_ids
     assert len(a) == 64 and a == b
+    assert compiled_products_work()  # the decode steps took the compiled products, not the tile path

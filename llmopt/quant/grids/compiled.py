@@ -573,3 +573,53 @@ def qp_search(x: np.ndarray, w: np.ndarray, nmax: int, numerators: np.ndarray, e
                 break
         scale_out[b] = sumlx / suml2 if suml2 > zero else zero
         levels_out[b] = L
+
+
+# ----------------------------------------------------------------------------------- make_q3_quants
+@numba.njit(**_JIT)
+def q3_search(x: np.ndarray, nmax: int, eps: np.float32, scale_out: np.ndarray, levels_out: np.ndarray) -> None:
+    """make_q3_quants with do_rmse (see searches.make_q3_quants), blocks by rows [B, n]: the inverse
+    scale -nmax over the signed value of largest magnitude, x²-weighted sums, then up to 5 passes
+    moving single levels; levels come back offset by +nmax."""
+    blocks, n = x.shape
+    lo, hi, zero = F32(-nmax), F32(nmax - 1), F32(0.0)
+    L = np.empty(n, F32)
+    scratch = np.empty(1, F32)
+    for b in range(blocks):
+        xs = x[b]
+        amax, mx = zero, zero
+        for i in range(n):
+            ax = abs(xs[i])
+            if ax > amax:
+                amax, mx = ax, xs[i]
+        if amax < eps:
+            scale_out[b] = zero
+            levels_out[b] = zero
+            continue
+        iscale = F32(-nmax) / mx
+        sumlx, suml2 = zero, zero
+        for i in range(n):
+            L[i] = min(max(np.rint(iscale * xs[i]), lo), hi)
+            w = xs[i] * xs[i]
+            sumlx += w * xs[i] * L[i]
+            suml2 += w * L[i] * L[i]
+        for _ in range(5):
+            changed = False
+            for i in range(n):
+                w = xs[i] * xs[i]
+                slx = sumlx - w * xs[i] * L[i]
+                if slx > zero:
+                    sl2 = suml2 - w * L[i] * L[i]
+                    new_l = min(max(_nearest_int_exact(xs[i] * sl2 / slx, scratch), lo), hi)
+                    if new_l != L[i]:
+                        slx = slx + w * xs[i] * new_l
+                        sl2 = sl2 + w * new_l * new_l
+                        if sl2 > zero and slx * slx * suml2 > sumlx * sumlx * sl2:
+                            L[i] = new_l
+                            sumlx, suml2 = slx, sl2
+                            changed = True
+            if not changed:
+                break
+        scale_out[b] = sumlx / suml2 if suml2 > zero else zero
+        for i in range(n):
+            levels_out[b, i] = L[i] + F32(nmax)

@@ -174,6 +174,10 @@ def make_qx_quants(x: torch.Tensor, nmax: int, weights: torch.Tensor | None = No
 
 def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Q3_K's reference search (do_rmse): x²-weighted scale, then up to 5 passes moving single levels."""
+    if _use_compiled(x):
+        scale, levels = torch.empty(x.shape[1]), torch.empty(x.shape[1], x.shape[0])
+        _kernels().q3_search(_f32(x.t()), nmax, np.float32(GROUP_MAX_EPS), scale.numpy(), levels.numpy())
+        return scale, levels.t()
     mx = first_absmax(x)
     zero = x.abs().amax(dim=0) < GROUP_MAX_EPS
     iscale = rdiv(-float(nmax), torch.where(zero, torch.ones_like(mx), mx))

@@ -71,3 +71,11 @@ def test_qp_search_equals_torch(n: int, nmax: int, wrap: bool) -> None:
         x[3] = -x[3]  # a flipped sign: negative levels, stored modulo 256
     w = blocks_major(importance("random").repeat(24, 1), n) + 0.5
     _assert_bits_equal(*_both(searches.make_qp_quants, x, nmax, w, wrap=wrap))
+
+
+@pytest.mark.parametrize("n", [16, 32])
+def test_q3_search_equals_torch(n: int) -> None:
+    """make_q3_quants (Q3_K without an imatrix): the edge rows, and a scaled copy where moves happen."""
+    x = _blocks(n)
+    _assert_bits_equal(*_both(searches.make_q3_quants, x, 4))
+    _assert_bits_equal(*_both(searches.make_q3_quants, x * 3.7 + 0.01, 4))

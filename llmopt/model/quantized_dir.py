@@ -106,7 +106,7 @@ class PackedDirSource(HFDirSource):
 
     def load_rows(self, name: str, rows: slice, dtype: torch.dtype | str | None = "float32") -> torch.Tensor:
         if name.endswith(".weight") and name.removesuffix(".weight") in self.modules:  # packed: unpacked whole
-            return self.load(name, dtype)[rows].clone()
+            return ModelSource.load_rows(self, name, rows, dtype)
         return super().load_rows(name, rows, dtype)
 
     def _checked(self, module: str, qt: QuantizedTensor) -> QuantizedTensor:

@@ -6,7 +6,7 @@ calling a dense product (the path every other input takes) reads and writes 4 by
 (q[o, g, k] A[o, g] - B[o, g]) x[g, k], into one C++ loop that reads the packed bytes and never
 builds W. Measured on this project's 2-core CPU (fp32 W in RAM for comparison): Q4_0 4096x4096
 1469 us against 3988, Q4_K 11008x4096 5416 us against 10997; SmolLM2's decode from a Q4_0 file
-goes from 8.0 to 23.4 tok/s (docs/generate.md).
+goes from 7.96 to 22.59 tok/s (docs/generate.md).
 
 The sums run in another order than the dequantized product's: results agree to float32 rounding
 (about 1e-7 of the largest output), not bit for bit. The output dimension is compiled as dynamic, so
@@ -29,15 +29,21 @@ _compiled: dict[Callable, Callable] = {}
 _failed = False
 
 
+def fifth_bits(high: torch.Tensor) -> torch.Tensor:
+    """Q5's fifth bits [..., G, 32] (0 or 1, input order) from its 32-bit qh words [..., G, 1]: bit k is
+    input k's. (Shifting one word compiles to a vector loop; shifting its four bytes did not: 3x slower.)"""
+    return (high >> _BIT_INDEX) & 1
+
+
 def nibble_gemv(x: torch.Tensor, codes: torch.Tensor, high: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
                 a_mult: torch.Tensor | int, b_mult: torch.Tensor | int, per: int) -> torch.Tensor:  # fmt: skip
     """x [in] times NibbleLinear's W: codes [out, G, 16] (inputs k and k + 16 of a group in one byte),
-    Q5's fifth bits `high` [out, G, 1] as the file's 32-bit qh (bit k: input k), a/b [out, G / per] and
-    their multipliers (see NibbleLinear)."""
+    Q5's 32-bit qh words `high` [out, G, 1] (fifth_bits), a/b [out, G / per] and their multipliers
+    (see NibbleLinear)."""
     xg = x.reshape(codes.shape[1], 32)
     lo, hi = (codes & 15).float(), (codes >> 4).float()
-    if high is not None:  # (shifting the 32-bit word compiles to a vector loop; four bytes did not: 3x slower)
-        fifth = ((high >> _BIT_INDEX) & 1).float() * 16  # [out, G, 32]
+    if high is not None:
+        fifth = fifth_bits(high).float() * 16  # [out, G, 32]
         lo, hi = lo + fifth[..., :16], hi + fifth[..., 16:]
     scale = (a.float().repeat_interleave(per, 1) * a_mult)[..., None]
     offset = (b.float().repeat_interleave(per, 1) * b_mult)[..., None]
@@ -81,15 +87,15 @@ def decode_product(fn: Callable[..., torch.Tensor], x: torch.Tensor, *fields: to
     if _failed:
         return None
     compiled = _compiled.get(fn)
-    import torch._dynamo as dynamo  # (imported on first use: it takes a second)
-
     if compiled is None:
+        from torch import _dynamo  # (imported on first use: it takes a second)
+
         # one entry per input width and type: more than dynamo's default of 8 in a mixed-type model
-        dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)
+        _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)
         compiled = _compiled[fn] = torch.compile(fn)
     for field in fields:
         if isinstance(field, torch.Tensor):
-            dynamo.maybe_mark_dynamic(field, 0)
+            torch._dynamo.maybe_mark_dynamic(field, 0)  # (loaded by the first call)
     try:
         return compiled(x, *fields)
     except Exception as e:  # noqa: BLE001 - inductor's failures have no common type; the tile path still works

@@ -21,7 +21,6 @@ plus one tile of float rows (TILE_BYTES).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -32,7 +31,7 @@ from torch.nn import functional as F
 
 from llmopt.model.dequantize import dequantize
 from llmopt.model.gguf_file import GGUFSource
-from llmopt.runtime.gguf_gemv import decode_product, int8_gemv, nibble_gemv, q6_k_codes, q6_k_gemv
+from llmopt.runtime.gguf_gemv import decode_product, fifth_bits, int8_gemv, nibble_gemv, q6_k_codes, q6_k_gemv
 from llmopt.runtime.int4 import KERNEL_DTYPE, PackedInt4Linear, kernel_shape_ok
 
 Q = GGMLQuantizationType
@@ -134,13 +133,10 @@ LEGACY_NIBBLES = {Q.Q4_0: (18, None, 2, False, 8), Q.Q4_1: (20, None, 4, True, 0
 NIBBLE_TYPES = (*LEGACY_NIBBLES, Q.Q4_K)
 
 
-_BITS = torch.arange(8, dtype=torch.uint8)
-
-
 class NibbleLinear(nn.Module):
     """Q4_0/Q4_1/Q5_0/Q5_1/Q4_K: W = q * (a * a_mult) - b * b_mult per 32 inputs, with q's low four
     bits two a byte (inputs k and k + 16 of a group) and, for Q5, the fifth bits as the file's
-    little-endian `qh`; float16 a and b per `per` groups, and small integer multipliers: Q4_0/Q5_0
+    little-endian `qh` read into a native int32 per group (gguf_gemv.fifth_bits); float16 a and b per `per` groups, and small integer multipliers: Q4_0/Q5_0
     a = d, b = d * offset and Q4_1/Q5_1 a = d, b = -m with one multiplier for all groups (a uint8 per
     group would add 11% to a Q4_0 model); Q4_K a = d * sc, b = dmin * m with the six-bit sc and m per
     group. The products and the difference are gguf's own, so the float32 weights are the reference
@@ -159,12 +155,13 @@ class NibbleLinear(nn.Module):
             blocks = data.reshape(-1, size)
             nibbles = blocks[:, qs:].reshape(out, -1, 16)  # already the layout above
             if qh is not None:
-                high = blocks[:, qh:qh + 4].reshape(out, -1, 4)
+                words = np.ascontiguousarray(blocks[:, qh:qh + 4].numpy()).view("<u4").astype(np.int32)
+                high = torch.from_numpy(words).reshape(out, -1, 1)  # the file's little-endian qh, native
             a = blocks[:, 0:2].contiguous().view(torch.float16).reshape(out, -1)
             b = -blocks[:, 2:4].contiguous().view(torch.float16).reshape(out, -1) if has_m else a
             a_mult, b_mult = 1, 1 if has_m else offset  # the same for every group: not stored per group
         self.register_buffer("codes", nibbles.contiguous())  # [out, G, 16]
-        self.register_buffer("high", None if high is None else high.contiguous())  # [out, G, 4]
+        self.register_buffer("high", None if high is None else high.contiguous())  # [out, G, 1] int32
         self.register_buffer("a", a.contiguous())
         self.register_buffer("b", b.contiguous())
         if torch.is_tensor(a_mult):  # Q4_K's six-bit sub-block scales and mins
@@ -180,9 +177,8 @@ class NibbleLinear(nn.Module):
         """Float32 rows of W (a slice, or row numbers: a tied embedding's lookup)."""
         p = self.codes[index]
         q = torch.cat([p & 0xF, p >> 4], dim=-1)  # [r, G, 32]
-        if self.high is not None:  # bit k of the 32-bit qh is input k's fifth bit
-            bits = (self.high[index][..., None] >> _BITS) & 1  # [r, G, 4, 8]
-            q = q | (bits.reshape(q.shape) << 4)
+        if self.high is not None:
+            q = q | (fifth_bits(self.high[index]).to(torch.uint8) << 4)
         q = q.float()
         a = self.a[index].float().repeat_interleave(self.per, dim=1) * self._mult(self.a_mult, index)
         b = self.b[index].float().repeat_interleave(self.per, dim=1) * self._mult(self.b_mult, index)
@@ -193,9 +189,8 @@ class NibbleLinear(nn.Module):
         return m[index] if torch.is_tensor(m) else m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if one_row(x) and (self.high is None or sys.byteorder == "little"):
-            high = None if self.high is None else self.high.view(torch.int32)  # the file's little-endian qh
-            y = decode_product(nibble_gemv, x.reshape(-1).float(), self.codes, high, self.a, self.b, self.a_mult,
+        if one_row(x):
+            y = decode_product(nibble_gemv, x.reshape(-1).float(), self.codes, self.high, self.a, self.b, self.a_mult,
                                self.b_mult, self.per)  # fmt: skip
             if y is not None:
                 return with_bias(y, self.bias, like=x)
@@ -244,7 +239,6 @@ class Q6KLinear(nn.Module):
     def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
         q = q6_k_codes(self.ql[index], self.qh[index]).to(torch.int8).sub_(32).float()
         n, blocks = q.shape[:2]
-        q = q.reshape(n, blocks, 256)
         scale = self.d[index].float()[..., None] * self.scales[index].float()  # [n, blocks, 16]
         return (scale[..., None] * q.reshape(n, blocks, 16, 16)).reshape(n, -1)
 

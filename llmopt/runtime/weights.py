@@ -3,8 +3,9 @@
 Float checkpoints load as they are. GGUF weights on CPU either stay in their quantized form
 (gguf_linear.py: memory is about the file's size; decode steps through compiled products, prefill
 through rebuilt tiles) or are dequantized into the runtime dtype (torch's dense matmuls, no compile),
-read one tensor at a time so that peak memory is the model plus one tensor. By default they stay quantized only when the dequantized model would not fit comfortably
-(`keep_gguf_quantized`); `gguf_quantized` forces either way, and `packed=False` always dequantizes.
+read one tensor at a time so that peak memory is the model plus one tensor. By default they stay
+quantized only when the dequantized model would not fit comfortably (`keep_gguf_quantized`);
+`gguf_quantized` forces either way, and `packed=False` always dequantizes.
 """
 
 from __future__ import annotations

@@ -323,9 +323,18 @@ class Decoder(nn.Module):
         """Final-norm hidden states: prefill applies the LM head to the last position only.
         `rope` gives the cos/sin rows of these positions (a fixed-shape step selects them itself).
         A `Packed` start runs several sequences as one [1, T] row (continuous batching)."""
-        x = embed_scaled(self.embed_tokens(ids), self.arch)
+        return self.hidden_of(self.embed(ids), start, cache, rope)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings [.., T, hidden] of token ids (scaled as the family wants)."""
+        return embed_scaled(self.embed_tokens(ids), self.arch)
+
+    def hidden_of(self, x: torch.Tensor, start: Position = 0, cache: KVCache | None = None,
+                  rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`hidden` from the input embeddings `x` [B, T, hidden] (the compiled decode step looks them up
+        outside its graph)."""
         if rope is None:
-            rope = self.rotary.at(start.positions, x.dtype) if isinstance(start, Packed) else self.rotary(start, ids.shape[1], x.dtype)
+            rope = self.rotary.at(start.positions, x.dtype) if isinstance(start, Packed) else self.rotary(start, x.shape[1], x.dtype)
         cos, sin = rope
         for block in self.layers:
             x = block(x, cos, sin, start, cache)

@@ -34,8 +34,13 @@ class StaticDecodeStep(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.after_embedding(self.model.embed(token.view(1, 1)), pos)
+
+    def after_embedding(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The part that is compiled: the embedding lookup stays eager, since the lookup of a GGUF
+        embedding kept quantized dequantizes its rows with numpy (no graph), and costs one op."""
         rope = self.cos.index_select(0, pos), self.sin.index_select(0, pos)  # [1, head_dim]
-        h = self.model.hidden(token.view(1, 1), pos, self.cache, rope)
+        h = self.model.hidden_of(x, pos, self.cache, rope)
         return self.model.lm_head(h)[0, -1]
 
 
@@ -53,6 +58,7 @@ class CompiledDecoder:
         self.model = model
         self.mode = mode
         self.cache: StaticKVCache | None = None
+        self.module: StaticDecodeStep | None = None
         self.step = None
 
     def __call__(self, arch: ArchSpec, max_len: int, batch: int, dtype: torch.dtype,
@@ -64,8 +70,8 @@ class CompiledDecoder:
             param = next(self.model.parameters())
             size = -(-max_len // self.ROUND) * self.ROUND
             self.cache = StaticKVCache(self.model.arch, size, 1, param.dtype, param.device)
-            module = StaticDecodeStep(self.model, self.cache)
-            self.step = torch.compile(module, mode=self.mode, fullgraph=True, dynamic=False)
+            self.module = StaticDecodeStep(self.model, self.cache)
+            self.step = torch.compile(self.module.after_embedding, mode=self.mode, fullgraph=True, dynamic=False)
         self.cache.length = 0
         return self.cache
 
@@ -73,6 +79,7 @@ class CompiledDecoder:
         """Logits after `token` at position `pos`, written into the cache."""
         assert self.step is not None and self.cache is not None
         device = self.cache.k.device
-        logits = self.step(torch.tensor([token], device=device), torch.tensor([pos], device=device))
+        x = self.model.embed(torch.tensor([[token]], device=device))
+        logits = self.step(x, torch.tensor([pos], device=device))
         self.cache.length = pos + 1
         return logits.clone()  # CUDA graphs reuse their output buffer on the next replay

@@ -84,6 +84,8 @@ def decode_product(fn: Callable[..., torch.Tensor], x: torch.Tensor, *fields: to
     """`fn(x, *fields)` compiled, with the output dimension (every tensor field's first) dynamic; None
     where it cannot run compiled (the caller takes its tile path)."""
     global _failed
+    if torch.compiler.is_compiling():
+        return fn(x, *fields)  # inside a compiled decode step (generate --compile): part of its graph
     if _failed:
         return None
     compiled = _compiled.get(fn)

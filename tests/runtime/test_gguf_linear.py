@@ -207,3 +207,17 @@ def test_without_a_compiler_the_decode_step_takes_the_tile_path(monkeypatch, cap
         assert torch.equal(layer(x), torch.nn.functional.linear(x, ref))
     assert not gguf_gemv.compiled_products_work()
     assert sum("no C++ compiler found" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_compiled_decode_step_of_a_model_kept_quantized_gives_eager_tokens(wide, tmp_path):
+    """`generate --compile` on a GGUF kept quantized: the products are traced into the step's graph
+    (not called as separately compiled functions) and the quantized embedding is looked up outside it."""
+    from llmopt.runtime.generate import Generator
+
+    path = _write(wide("llama"), tmp_path / "m.gguf", "Q4_K_M", [("attn_v", "Q8_0"), ("attn_q", "Q5_0")])
+    kept = load_model(str(path), "float32", "cpu", packed=True, gguf_quantized=True).model
+    assert isinstance(kept.embed_tokens, RawGGUFEmbedding)
+    assert {type(m) for m in kept.modules()} >= {NibbleLinear, Int8GroupLinear, Q6KLinear}
+    prompt = [5, 17, 230, 9]
+    eager = Generator(kept, None, eos=set()).generate(prompt, 8).token_ids
+    assert Generator(kept, None, eos=set(), compile=True).generate(prompt, 8).token_ids == eager

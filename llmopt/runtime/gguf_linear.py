@@ -292,6 +292,27 @@ class TiedQuantizedEmbedding(nn.Module):
         return self.head.rows(ids.reshape(-1)).reshape(*ids.shape, -1).to(self.dtype)
 
 
+def stacked(modules: list[nn.Module]) -> nn.Module | None:
+    """One module for linears that read the same input (q/k/v, gate/up: `row_major.fuse_shared_inputs`),
+    their rows one after another, where all have the same class and layout (a Q4_K q with a Q6_K v:
+    None). A decode step then makes one product where it made three: SmolLM2 calls 120, not 210."""
+    first = modules[0]
+    plain = {k: v for k, v in vars(first).items() if not k.startswith("_") and k != "out_features"}
+    if not isinstance(first, (NibbleLinear, Int8GroupLinear, Q6KLinear)) or any(
+            type(m) is not type(first) or {k: v for k, v in vars(m).items() if k in plain} != plain
+            or [b is None for b in (*m._buffers.values(), m.bias)] != [b is None for b in (*first._buffers.values(), first.bias)]
+            for m in modules):  # fmt: skip
+        return None
+    fused = type(first).__new__(type(first))
+    nn.Module.__init__(fused)
+    vars(fused).update(plain)
+    fused.out_features = sum(m.out_features for m in modules)
+    for name, buf in first._buffers.items():
+        fused.register_buffer(name, None if buf is None else torch.cat([m._buffers[name] for m in modules]))
+    fused.bias = None if first.bias is None else nn.Parameter(torch.cat([m.bias for m in modules]), requires_grad=False)
+    return fused
+
+
 def quantized_linear(qtype: GGMLQuantizationType, data: torch.Tensor, bias: torch.Tensor | None,
                      dtype: torch.dtype = torch.float32) -> nn.Module:
     """The module that holds one GGUF linear in its quantized form in a `dtype` model (see the module docstring)."""

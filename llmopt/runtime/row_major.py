@@ -27,6 +27,8 @@ vocabulary's bytes again).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -130,6 +132,21 @@ class TiedEmbedding(nn.Module):
         return self.head.column(ids)
 
 
+def fuse_shared_inputs(model: Decoder, fuse: Callable[[list[nn.Module]], nn.Module | None]) -> None:
+    """Replace each block's q/k/v by `attn.qkv` and gate/up by `mlp.gate_up` wherever `fuse(linears)`
+    gives one module for them (None leaves them apart): one product per input instead of three or two."""
+    for block in model.layers:
+        attn, mlp = block.self_attn, getattr(block, "mlp", None)  # a MoE block has experts instead, under its
+        groups = [(attn, "qkv", ("q_proj", "k_proj", "v_proj"))]  # own name or, in Qwen2-MoE, as "mlp":
+        if hasattr(mlp, "gate_up"):  # only a dense MLP has a fused gate/up
+            groups.append((mlp, "gate_up", ("gate_proj", "up_proj")))
+        for owner, fused_name, names in groups:
+            if (fused := fuse([getattr(owner, n) for n in names])) is not None:
+                setattr(owner, fused_name, fused)
+                for n in names:
+                    delattr(owner, n)
+
+
 def use_row_major_linears(model: Decoder, width: int = CHUNK_WIDTH, onednn: bool | None = None) -> Decoder:
     """Swap every float nn.Linear of `model` (in place) for a OneDNNLinear where torch has oneDNN for
     its dtype (`onednn` forces either way), a RowMajorLinear otherwise and for a tied LM head, whose
@@ -139,18 +156,12 @@ def use_row_major_linears(model: Decoder, width: int = CHUNK_WIDTH, onednn: bool
     if onednn is None:
         onednn = onednn_packs(model.lm_head.weight.dtype)
 
-    def fuse(linears: list[nn.Linear]) -> nn.Module:
+    def fuse(linears: list[nn.Module]) -> nn.Module | None:
+        if not all(isinstance(m, nn.Linear) for m in linears):
+            return None
         return OneDNNLinear.stacked(linears) if onednn else RowMajorLinear.stacked(linears, width)
 
-    for block in model.layers:
-        attn, mlp = block.self_attn, getattr(block, "mlp", None)  # a MoE block has experts instead (each swapped
-        # below), under its own name or, in Qwen2-MoE, as "mlp": only a dense MLP has a fused gate/up
-        if all(isinstance(m, nn.Linear) for m in (attn.q_proj, attn.k_proj, attn.v_proj)):
-            attn.qkv = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-            del attn.q_proj, attn.k_proj, attn.v_proj
-        if hasattr(mlp, "gate_up") and all(isinstance(m, nn.Linear) for m in (mlp.gate_proj, mlp.up_proj)):
-            mlp.gate_up = fuse([mlp.gate_proj, mlp.up_proj])
-            del mlp.gate_proj, mlp.up_proj
+    fuse_shared_inputs(model, fuse)
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear):
             parent, _, child = name.rpartition(".")

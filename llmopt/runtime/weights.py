@@ -25,9 +25,9 @@ from llmopt.model.gguf_file import GGUFSource
 from llmopt.model.quantized_dir import PackedDirSource
 from llmopt.runtime.arena import pack_contiguously
 from llmopt.runtime.gguf_linear import (RawGGUFEmbedding, TiedQuantizedEmbedding, kept_quantized, quantized_linear,
-                                        raw_rows)
+                                        raw_rows, stacked)
 from llmopt.runtime.int4 import PackedInt4Linear, packable
-from llmopt.runtime.row_major import use_row_major_linears
+from llmopt.runtime.row_major import fuse_shared_inputs, use_row_major_linears
 from llmopt.quantized_tensor import QuantizedTensor
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -145,6 +145,8 @@ def _gguf_decoder(source: GGUFSource, dtype: torch.dtype) -> Decoder:
         del data
         source.release_pages()  # copied out: the file's pages need not stay resident
         return_freed_memory()  # nor the temporaries' heap pages
+    fuse_shared_inputs(model, stacked)
+    return_freed_memory()
     return _finished(model, source, torch.device("cpu"))
 
 

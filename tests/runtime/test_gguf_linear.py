@@ -16,7 +16,7 @@ from llmopt.formats.gguf.writer import plan_gguf, write_gguf
 from llmopt.model import open_model
 from llmopt.quant.grids import quantize
 from llmopt.runtime.gguf_linear import (Int8GroupLinear, NibbleLinear, Q6KLinear, RawGGUFEmbedding, RawGGUFLinear,
-                                        TiedQuantizedEmbedding, int4_parts, quantized_linear)
+                                        TiedQuantizedEmbedding, int4_parts, quantized_linear, stacked)
 from llmopt.runtime.int4 import PackedInt4Linear
 from llmopt.runtime.weights import load_model
 from tests.formats.gguf.models import make_wide_hf
@@ -113,7 +113,10 @@ def test_quantized_in_memory_model_gives_the_dequantized_logits(wide, tmp_path, 
     kept = load_model(str(path), "float32", "cpu", packed=True, gguf_quantized=True).model
     dense = load_model(str(path), "float32", "cpu", packed=False).model
     layers = [m for m in kept.modules() if isinstance(m, QUANTIZED)]
-    assert len(layers) == 2 * 7 + 1  # every block linear and the LM head stay quantized
+    a = kept.arch  # every block linear and the LM head stay quantized (q/k/v, gate/up fused where types match)
+    block_rows = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim + 2 * a.hidden_size + 2 * a.intermediate_size
+    assert sum(m.out_features for m in layers) == a.num_layers * block_rows + a.vocab_size
+    assert not any(isinstance(m, torch.nn.Linear) for m in kept.modules())
     tied = family == "qwen2" and not isinstance(kept.lm_head, PackedInt4Linear)
     assert isinstance(kept.embed_tokens, TiedQuantizedEmbedding if tied else RawGGUFEmbedding)
     assert not any(isinstance(m, QUANTIZED) for m in dense.modules())
@@ -157,7 +160,7 @@ def test_by_default_a_gguf_stays_quantized_only_when_dequantized_it_would_not_fi
     assert not any(isinstance(m, QUANTIZED) for m in roomy.modules())
     monkeypatch.setattr(weights, "available_memory", lambda: 1 << 20)
     tight = load_model(str(path), "float32", "cpu").model
-    assert sum(isinstance(m, QUANTIZED) for m in tight.modules()) == 2 * 7 + 1
+    assert sum(isinstance(m, QUANTIZED) for m in tight.modules()) == 2 * 4 + 1  # q/k/v and gate/up fused
     assert not any(isinstance(m, QUANTIZED) for m in load_model(str(path), "float32", "cpu", packed=False).model.modules())
 
 
@@ -207,6 +210,21 @@ def test_without_a_compiler_the_decode_step_takes_the_tile_path(monkeypatch, cap
         assert torch.equal(layer(x), torch.nn.functional.linear(x, ref))
     assert not gguf_gemv.compiled_products_work()
     assert sum("no C++ compiler found" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_1, Q.Q6_K])
+def test_linears_reading_one_input_stack_into_one_module(qtype):
+    """q/k/v (or gate/up) of one layout become one module: its rows and products are the parts', stacked;
+    parts of different layouts stay apart."""
+    parts = [quantized_linear(qtype, _blocks(qtype, rows=r, seed=r), torch.randn(r)) for r in (32, 16, 16)]
+    fused = stacked(parts)
+    assert type(fused) is type(parts[0]) and fused.out_features == 64 and fused.in_features == 512
+    assert torch.equal(fused.rows(slice(0, 64)), torch.cat([p.rows(slice(0, p.out_features)) for p in parts]))
+    for x in (torch.randn(1, 512), torch.randn(5, 512)):  # a decode step's compiled product, and tiles
+        torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], dim=-1), rtol=1e-5, atol=1e-5)
+    other = Q.Q4_1 if qtype == Q.Q4_0 else Q.Q4_0  # another layout (Q4_0 against Q4_1: another multiplier)
+    assert stacked([parts[0], quantized_linear(other, _blocks(other), torch.randn(32))]) is None
+    assert stacked([parts[0], quantized_linear(qtype, _blocks(qtype), None)]) is None  # with and without a bias
 
 
 def test_compiled_decode_step_of_a_model_kept_quantized_gives_eager_tokens(wide, tmp_path):

@@ -21,10 +21,23 @@ import numpy as np
 
 TILE = 32  # blocks per tile: 32 lanes of float32 fill two AVX-512 registers; tiles of 32 x 32 stay in L1
 F32 = np.float32
+_FLT_MAX = np.float32(np.finfo(np.float32).max)
 _JIT = {"nogil": True, "cache": True, "error_model": "numpy", "fastmath": False, "boundscheck": False}
 # where the weights come from: the `w` argument, x² (make_qx_quants' default), or rms(x) + |x| over the
 # block (the K-quants' default for make_qkx2_quants)
 GIVEN, SQUARES, RMS_ABS = 0, 1, 2
+
+
+@numba.njit(inline="always", **_JIT)  # called per block: no call overhead
+def _rounding_inverse(iscale: np.float32) -> np.float32:
+    """numerics.rounding_inverse: 0 for an inverse scale that overflowed."""
+    return iscale if abs(iscale) <= _FLT_MAX else F32(0.0)
+
+
+@numba.njit(inline="always", **_JIT)  # called per element: no call overhead
+def _low_byte(v: np.float32) -> np.float32:
+    """numerics.c_low_byte: C's (int8_t)/(uint8_t) cast of ±inf or NaN keeps INT_MIN's low byte, 0."""
+    return v if abs(v) <= _FLT_MAX else F32(0.0)
 
 
 @numba.njit(**_JIT)
@@ -110,6 +123,7 @@ def qkx_search(x: np.ndarray, w: np.ndarray, mode: int, nmax: int, numerators: n
             flat[t] = mx[t] <= mn[t]
             iscale[t] = fn / (one if flat[t] else mx[t] - mn[t])
             scale[t] = one / iscale[t]
+            iscale[t] = _rounding_inverse(iscale[t])
             best[t] = zero
         for i in range(n):
             for t in range(TILE):
@@ -121,7 +135,7 @@ def qkx_search(x: np.ndarray, w: np.ndarray, mode: int, nmax: int, numerators: n
             best_shift[t] = mn[t]
         for k in range(numerators.shape[0]):
             for t in range(TILE):  # measured from the best min so far: the trials run in order
-                iscale[t] = numerators[k] / (one if flat[t] else mx[t] - mn[t])
+                iscale[t] = _rounding_inverse(numerators[k] / (one if flat[t] else mx[t] - mn[t]))
                 sum_l[t] = zero
                 sum_l2[t] = zero
                 sum_xl[t] = zero
@@ -241,7 +255,7 @@ def q8_0_rows(x: np.ndarray, codes: np.ndarray, d_out: np.ndarray) -> None:
             a = abs(v)
             r = np.floor(a)
             r = r + np.floor((a - r) * F32(2.0))
-            codes[b, i] = np.uint8(np.int32(np.copysign(r, v)) + 128)
+            codes[b, i] = np.uint8(np.int32(_low_byte(np.copysign(r, v))) + 128)
 
 
 @numba.njit(**_JIT)
@@ -259,7 +273,7 @@ def symmetric_rows(x: np.ndarray, half: int, codes: np.ndarray, d_out: np.ndarra
         inv = F32(1.0) / d if d != F32(0.0) else F32(0.0)
         d_out[b] = d
         for i in range(x.shape[1]):
-            codes[b, i] = np.uint8(min(max(np.trunc(x[b, i] * inv + bias), F32(0.0)), top))
+            codes[b, i] = np.uint8(min(max(_low_byte(np.trunc(x[b, i] * inv + bias)), F32(0.0)), top))
 
 
 @numba.njit(**_JIT)
@@ -280,7 +294,7 @@ def affine_rows(x: np.ndarray, levels: int, codes: np.ndarray, d_out: np.ndarray
         d_out[b] = d
         m_out[b] = mn
         for i in range(x.shape[1]):
-            codes[b, i] = np.uint8(min(max(np.trunc((x[b, i] - mn) * inv + F32(0.5)), F32(0.0)), top))
+            codes[b, i] = np.uint8(min(max(_low_byte(np.trunc((x[b, i] - mn) * inv + F32(0.5))), F32(0.0)), top))
 
 
 # ------------------------------------------------------------------------------ IQ4_NL / IQ4_XS

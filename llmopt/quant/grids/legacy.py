@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from llmopt.quant.grids.layout import BlockGrid, importance_major, to_rows
-from llmopt.quant.grids.numerics import blocks_major, c_max, c_min, c_sqrt, first_absmax, rdiv, seq_sum
+from llmopt.quant.grids.numerics import blocks_major, c_low_byte, c_max, c_min, c_sqrt, first_absmax, rdiv, seq_sum
 from llmopt.quant.grids.searches import compiled_for, make_qkx_quants, make_qx_quants
 from llmopt.quantized_tensor import QuantizedTensor
 
@@ -54,7 +54,7 @@ class SymmetricGrid(BlockGrid):
         if importance is None:  # row-major [blocks, 32]: no transposes on this simple path
             x = w.reshape(-1, QK)
             d = first_absmax(x.t()) / -half
-            q = torch.trunc(x * _inverse(d)[:, None] + (half + 0.5)).clamp_(0, 2 * half - 1)
+            q = c_low_byte(torch.trunc(x * _inverse(d)[:, None] + (half + 0.5))).clamp_(0, 2 * half - 1)
             return {"codes": q.reshape(rows, -1).to(torch.uint8), "d": d.to(torch.float16).reshape(rows, -1)}
         else:
             x = blocks_major(w, QK)
@@ -88,7 +88,7 @@ class AffineGrid(BlockGrid):
             x = w.reshape(-1, QK)
             mx, mn = c_max(x.t()), c_min(x.t())
             d = (mx - mn) / levels
-            q = torch.trunc((x - mn[:, None]) * _inverse(d)[:, None] + 0.5).clamp_(0, levels).reshape(rows, -1)
+            q = c_low_byte(torch.trunc((x - mn[:, None]) * _inverse(d)[:, None] + 0.5)).clamp_(0, levels).reshape(rows, -1)
             m = mn
         else:
             x = blocks_major(w, QK)
@@ -126,7 +126,7 @@ class Q8Grid(BlockGrid):
             return {"codes": codes, "d": d.to(torch.float16).reshape(rows, -1)}
         x = w.reshape(-1, QK)
         d = x.abs().amax(dim=1) / 127
-        q = _round_away(x * _inverse(d)[:, None]).add_(128)
+        q = c_low_byte(_round_away(x * _inverse(d)[:, None])).add_(128)
         return {"codes": q.reshape(rows, -1).to(torch.uint8), "d": d.to(torch.float16).reshape(rows, -1)}
 
     def assemble(self, out: dict[str, torch.Tensor]) -> QuantizedTensor:

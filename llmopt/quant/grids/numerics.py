@@ -26,15 +26,29 @@ def c_step(base: float, delta: float, step: int) -> float:
 
 
 def nearest_int(v: torch.Tensor) -> torch.Tensor:
-    """ggml's nearest_int: round half to even (kept as float32 for further float math)."""
+    """ggml's nearest_int for |v| <= 2^22: round half to even (kept as float32 for further float math)."""
     return torch.round(v)
 
 
 def nearest_int_exact(v: torch.Tensor) -> torch.Tensor:
     """nearest_int bit for bit, including its wrap-around outside |v| <= 2^22 (a ratio of two sums can
-    get there); use where the argument is not bounded by the level range."""
+    get there) and its -2^22 for ±inf and 0 for NaN (a block of float32 denormals, whose inverse scale
+    overflows); use where the argument is not bounded by the level range."""
     bits = (v + 12582912.0).view(torch.int32)
     return ((bits & 0x007FFFFF) - 0x00400000).to(torch.float32)
+
+
+def rounding_inverse(iscale: torch.Tensor) -> torch.Tensor:
+    """An inverse scale to round `(x - min)·iscale` with, clamped at level 0 after: 0 where it overflowed
+    (a block of float32 denormals). ggml's nearest_int turns the ±inf and NaN products into -2^22 and 0,
+    both level 0 after the clamp, as an inverse scale of 0 gives."""
+    return torch.where(iscale.abs() <= torch.finfo(torch.float32).max, iscale, 0.0)
+
+
+def c_low_byte(v: torch.Tensor) -> torch.Tensor:
+    """What a C `(int8_t)` or `(uint8_t)` cast of v keeps on x86, where v may be ±inf or NaN (a block of
+    float32 denormals: 1/d overflows): the conversion gives INT_MIN, whose low byte is 0."""
+    return torch.where(v.isfinite(), v, 0.0)
 
 
 def seq_sum(t: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from llmopt.quant.grids.numerics import (
     nearest_int,
     nearest_int_exact,
     positive_max,
+    rounding_inverse,
     rdiv,
     safe_div,
     seq_sum,
@@ -252,7 +253,7 @@ def make_qkx_quants(
         return seq_sum(diff.mul_(w))
 
     def levels_for(iscale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-        return torch.sub(x, minimum).mul_(iscale).round_().clamp_(0, nmax)  # nearest_int(iscale·(x - min))
+        return nearest_int(torch.sub(x, minimum).mul_(rounding_inverse(iscale))).clamp_(0, nmax)
 
     rng = torch.where(flat, torch.ones_like(mx), mx - mn)
     iscale = rdiv(float(nmax), rng)

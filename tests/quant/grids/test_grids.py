@@ -9,16 +9,17 @@ import torch
 
 from llmopt.errors import InputError
 from llmopt.formats.gguf.blocks import pack
-from llmopt.quant.grids import GRIDS, quantize
+from llmopt.quant.grids import GRIDS, quantize, searches
 from tests.quant.grids.ggml_reference import ggml_dequantize, ggml_quantize
 
 NEW_TYPES = ["IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4", "IQ3_XXS", "IQ2_XXS",
-             "IQ2_XS", "IQ3_S", "IQ2_S", "IQ1_S", "IQ1_M", "Q1_0", "Q2_0"]  # also on denormals (`edge_weights`)
+             "IQ2_XS", "IQ3_S", "IQ2_S", "IQ1_S", "IQ1_M", "Q1_0", "Q2_0"]
 NEEDS_IMATRIX = {"IQ2_XXS", "IQ2_XS", "IQ1_S"}  # llama.cpp asserts (aborts) without one: we refuse with a one-line error
 # llama.cpp builds the IQ1 neighbour lists on first use (~13 s on one core): their byte tests are slow-marked
 SLOW_REFERENCE = {"IQ1_S", "IQ1_M"}
 NOT_IN_GGUF = {"Q1_0", "Q2_0"}  # types the `gguf` package cannot dequantize (Q2_0: not even name): llama.cpp's to_float
-TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", *NEW_TYPES]
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", *NEW_TYPES]  # all also on
+# denormals (`edge_weights`)
 # relative RMS error of the grids whose codes are not plain b-bit integers (the others: by bits); ternary
 # with d = max|x| rounds most Gaussian weights to 0
 # (IQ2_XXS: 2 bits, weighted by a random imatrix that all but ignores most columns; the 1-bit types: their
@@ -96,9 +97,14 @@ def test_bytes_match_llama_cpp(type_name: str, imatrix: str) -> None:
     assert_same_bytes_as_llama_cpp(type_name, weights(), importance(imatrix))
 
 
+@pytest.mark.parametrize("path", ["compiled", "torch"])
 @pytest.mark.parametrize("imatrix", ["none", "random", "zeros"])
-@pytest.mark.parametrize("type_name", [t for t in NEW_TYPES if t not in SLOW_REFERENCE])
-def test_edge_values_match_llama_cpp(type_name: str, imatrix: str) -> None:
+@pytest.mark.parametrize("type_name", [t for t in TYPES if t not in SLOW_REFERENCE])
+def test_edge_values_match_llama_cpp(type_name: str, imatrix: str, path: str, monkeypatch) -> None:
+    """Both paths: the numba kernels (CPU) and the torch ops (CUDA tensors) on denormals and tiny values."""
+    import llmopt.quant.grids.compiled  # noqa: F401 - loaded, so the legacy types take their kernels too
+
+    monkeypatch.setattr(searches, "COMPILED", path == "compiled")
     assert_same_bytes_as_llama_cpp(type_name, edge_weights(), importance(imatrix))
 
 

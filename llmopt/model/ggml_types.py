@@ -5,11 +5,16 @@ ggml/src/ggml.c `type_traits`), which the `gguf` package repeats as `GGMLQuantiz
 `GGML_QUANT_SIZES`; tests/model/test_ggml_types.py checks that every row here equals the `gguf`
 package's. They are kept here as data, not read from `gguf`, because importing `gguf` imports numpy
 and its whole reader and writer (a quarter of a second), and `recommend` and the planners need only
-these numbers: the CLI answers `recommend --mem 48` without ever importing them.
+these numbers: the CLI answers `recommend --mem 48` without ever importing them. The table also has
+the types llama.cpp has and the `gguf` package (0.19) does not (Q2_0), checked against llama.cpp's own
+type traits; `GGMLQuantType` is its enum, whose members equal gguf's `GGMLQuantizationType` members
+as integers (same hashes: either serves as a key of the other's tables), and what readers and the
+writer use, so a file with a Q2_0 tensor reads and writes like any other.
 """
 
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import NamedTuple
 
 
@@ -28,8 +33,9 @@ _ROWS = (
     ("IQ4_NL", 20, 32, 18), ("IQ3_S", 21, 256, 110), ("IQ2_S", 22, 256, 82), ("IQ4_XS", 23, 256, 136),
     ("I8", 24, 1, 1), ("I16", 25, 1, 2), ("I32", 26, 1, 4), ("I64", 27, 1, 8), ("F64", 28, 1, 8),
     ("IQ1_M", 29, 256, 56), ("BF16", 30, 1, 2), ("TQ1_0", 34, 256, 54), ("TQ2_0", 35, 256, 66),
-    ("MXFP4", 39, 32, 17), ("NVFP4", 40, 64, 36), ("Q1_0", 41, 128, 18),
+    ("MXFP4", 39, 32, 17), ("NVFP4", 40, 64, 36), ("Q1_0", 41, 128, 18), ("Q2_0", 42, 64, 18),
 )  # fmt: skip
 
 GGML_TYPES: dict[str, GGMLType] = {row[0]: GGMLType(*row) for row in _ROWS}
 GGML_TYPES_BY_ID: dict[int, GGMLType] = {t.id: t for t in GGML_TYPES.values()}
+GGMLQuantType = IntEnum("GGMLQuantType", [(row[0], row[1]) for row in _ROWS])

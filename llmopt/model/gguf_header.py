@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
 from llmopt.errors import InputError
+from llmopt.model.ggml_types import GGML_TYPES_BY_ID, GGMLQuantType
 
 MAGIC = b"GGUF"
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -29,7 +28,7 @@ _STRING, _ARRAY = 8, 9
 class GGUFTensor:
     name: str
     shape: tuple[int, ...]  # ggml order: ne0 (the contiguous row length) first
-    tensor_type: GGMLQuantizationType
+    tensor_type: GGMLQuantType  # (equal, as an int, to gguf's GGMLQuantizationType member)
     offset: int  # absolute file offset of the data
     n_bytes: int
     data: np.ndarray  # raw bytes, [rows, bytes_per_row] for block types, typed for F32/F16/BF16
@@ -110,7 +109,10 @@ def read_gguf(path: Path) -> GGUFHeader:
             if not 1 <= n_dims <= 4:
                 raise ValueError(f"tensor {name!r} has {n_dims} dimensions (GGML allows 1 to 4)")
             dims = tuple(cur.unpack("<Q") for _ in range(n_dims))
-            infos.append((name, dims, GGMLQuantizationType(cur.unpack("<I")), cur.unpack("<Q")))
+            type_id = cur.unpack("<I")
+            if type_id not in GGML_TYPES_BY_ID:
+                raise ValueError(f"tensor {name!r} has type {type_id}, no GGML type llmopt knows")
+            infos.append((name, dims, GGMLQuantType(type_id), cur.unpack("<Q")))
     except (struct.error, ValueError, UnicodeDecodeError) as e:
         raise InputError(f"{path}: corrupt or truncated GGUF header ({e})") from None
     alignment = meta.get("general.alignment", 32)
@@ -123,7 +125,7 @@ def read_gguf(path: Path) -> GGUFHeader:
         if name in seen:
             raise InputError(f"{path}: tensor {name!r} appears twice")
         seen.add(name)
-        block, type_size = GGML_QUANT_SIZES[qtype]
+        _, _, block, type_size = GGML_TYPES_BY_ID[qtype]
         n = math.prod(dims) if dims else 1
         if any(d < 1 for d in dims) or n > size * max(block, 1) * 8:
             raise InputError(f"{path}: tensor {name!r} has impossible dimensions {list(dims)}")
@@ -137,11 +139,11 @@ def read_gguf(path: Path) -> GGUFHeader:
             raise InputError(f"{path}: truncated GGUF (tensor {name} ends past the end of the file)")
         raw = mm[start:start + n_bytes]
         rows = list(reversed(dims))
-        if qtype == GGMLQuantizationType.F32:
+        if qtype == GGMLQuantType.F32:
             data = raw.view(np.float32).reshape(rows)
-        elif qtype == GGMLQuantizationType.F16:
+        elif qtype == GGMLQuantType.F16:
             data = raw.view(np.float16).reshape(rows)
-        elif qtype == GGMLQuantizationType.BF16:
+        elif qtype == GGMLQuantType.BF16:
             data = raw.view(np.uint16).reshape(rows)
         else:
             data = raw.reshape(rows[:-1] + [rows[-1] // block * type_size])

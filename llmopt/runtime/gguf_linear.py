@@ -25,16 +25,16 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 from torch.nn import functional as F
 
 from llmopt.model.dequantize import dequantize
+from llmopt.model.ggml_types import GGML_TYPES_BY_ID, GGMLQuantType
 from llmopt.model.gguf_file import GGUFSource
 from llmopt.runtime.gguf_gemv import decode_product, fifth_bits, int8_gemv, nibble_gemv, q6_k_codes, q6_k_gemv
 from llmopt.runtime.int4 import KERNEL_DTYPE, PackedInt4Linear, kernel_shape_ok
 
-Q = GGMLQuantizationType
+Q = GGMLQuantType
 # Float weights rebuilt per tile of rows, about this many bytes: small enough to stay in cache while the
 # product reads it. SmolLM2's LM head (49152 x 576, Q8_0, 1 thread, loaded machine): 377 ms a token
 # rebuilt whole, 30 ms in 512-row tiles, 19 ms as a float32 weight.
@@ -43,7 +43,7 @@ INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 DENSE_TYPES = (Q.F32, Q.BF16)  # loaded as ordinary float weights
 
 
-def raw_rows(source: GGUFSource, name: str) -> tuple[GGMLQuantizationType, torch.Tensor]:
+def raw_rows(source: GGUFSource, name: str) -> tuple[GGMLQuantType, torch.Tensor]:
     """The stored type and block bytes [rows, bytes per row] of 2-D tensor `name`, copied out of the
     file's map, rows in HF order (a fused tensor's part sliced, llama.cpp's Q/K permutation undone)."""
     raw, data, shape = source.stored_tensor(name)  # only `name`'s rows of an expert stack or a fused tensor
@@ -51,7 +51,7 @@ def raw_rows(source: GGUFSource, name: str) -> tuple[GGMLQuantizationType, torch
     return raw.tensor_type, source.hf_rows(name, blocks).contiguous()
 
 
-def dequantize_rows(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> torch.Tensor:
+def dequantize_rows(qtype: GGMLQuantType, blocks: torch.Tensor) -> torch.Tensor:
     """Float32 rows of block bytes [rows, bytes per row] (the reader's dequantizer)."""
     return torch.from_numpy(dequantize(blocks.numpy(), qtype))
 
@@ -85,7 +85,7 @@ def _k4_fields(data: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return codes, d, dmin, sc.reshape(out, -1), m.reshape(out, -1)
 
 
-def int4_parts(qtype: GGMLQuantizationType, data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def int4_parts(qtype: GGMLQuantType, data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_0/Q4_1/Q4_K block bytes [out, bytes per row] -> codes [out, in] (0..15) and float32 scales and
     offsets [out, in / 32] with W = (codes - 8) * scale + offset (the int4 kernel's form)."""
     out = data.shape[0]
@@ -142,7 +142,7 @@ class NibbleLinear(nn.Module):
     group. The products and the difference are gguf's own, so the float32 weights are the reference
     dequantizer's."""
 
-    def __init__(self, qtype: GGMLQuantizationType, data: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, qtype: GGMLQuantType, data: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         out = data.shape[0]
         high = None
@@ -253,11 +253,11 @@ class Q6KLinear(nn.Module):
 class RawGGUFLinear(nn.Module):
     """Any GGUF type: the block bytes, dequantized one tile of rows at a time inside forward."""
 
-    def __init__(self, qtype: GGMLQuantizationType, data: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, qtype: GGMLQuantType, data: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.qtype = qtype
         self.register_buffer("blocks", data)
-        block, size = GGML_QUANT_SIZES[qtype]
+        _, _, block, size = GGML_TYPES_BY_ID[qtype]
         self.out_features, self.in_features = data.shape[0], data.shape[1] // size * block
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
@@ -271,7 +271,7 @@ class RawGGUFLinear(nn.Module):
 class RawGGUFEmbedding(nn.Module):
     """Token embeddings as block bytes; a lookup dequantizes only the rows it reads."""
 
-    def __init__(self, qtype: GGMLQuantizationType, data: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, qtype: GGMLQuantType, data: torch.Tensor, dtype: torch.dtype):
         super().__init__()
         self.qtype, self.dtype = qtype, dtype
         self.register_buffer("blocks", data)
@@ -313,7 +313,7 @@ def stacked(modules: list[nn.Module]) -> nn.Module | None:
     return fused
 
 
-def quantized_linear(qtype: GGMLQuantizationType, data: torch.Tensor, bias: torch.Tensor | None,
+def quantized_linear(qtype: GGMLQuantType, data: torch.Tensor, bias: torch.Tensor | None,
                      dtype: torch.dtype = torch.float32) -> nn.Module:
     """The module that holds one GGUF linear in its quantized form in a `dtype` model (see the module docstring)."""
     if qtype in INT4_TYPES:

@@ -2,7 +2,7 @@
 
 Sizes come from llmopt/model/ggml_types.py (llama.cpp's type traits as data, checked equal to the
 `gguf` package's `GGML_QUANT_SIZES`); `tensor_nbytes` is what `--dry-run` and `recommend` add up.
-Nothing here imports `gguf` (numpy and its reader) except `ggml_type`, which writers call.
+Nothing here imports `gguf` (numpy and its reader).
 """
 
 from __future__ import annotations
@@ -10,25 +10,22 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from llmopt.errors import InputError, OptionError
-from llmopt.model.ggml_types import GGML_TYPES, GGMLType
+from llmopt.model.ggml_types import GGML_TYPES, GGMLQuantType, GGMLType
 
-if TYPE_CHECKING:
-    from gguf.constants import GGMLQuantizationType
 
 # The types llmopt writes (float containers, legacy 32-blocks, K-quant 256-super-blocks, the
-# i-quants: non-linear 4-bit levels and the IQ3/IQ2/IQ1 lattice codebooks, ternary, sign-only Q1_0, FP4).
-# (Q2_0 has a grid and a packer but no writer: the `gguf` package has no such type to write.)
+# i-quants: non-linear 4-bit levels and the IQ3/IQ2/IQ1 lattice codebooks, ternary, sign-only Q1_0 and
+# two-bit Q2_0, FP4).
 FLOAT_TYPES = ("F32", "F16", "BF16")
 LEGACY_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 IQ_TYPES = ("IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
 TERNARY_TYPES = ("TQ1_0", "TQ2_0")
-SIGN_TYPES = ("Q1_0",)
+LOW_BIT_TYPES = ("Q1_0", "Q2_0")  # one fp16 scale per block, no search
 FP4_TYPES = ("MXFP4", "NVFP4")
-WRITABLE_TYPES = FLOAT_TYPES + LEGACY_TYPES + K_TYPES + IQ_TYPES + TERNARY_TYPES + SIGN_TYPES + FP4_TYPES
+WRITABLE_TYPES = FLOAT_TYPES + LEGACY_TYPES + K_TYPES + IQ_TYPES + TERNARY_TYPES + LOW_BIT_TYPES + FP4_TYPES
 
 
 def ggml_info(type_name: str) -> GGMLType:
@@ -48,11 +45,9 @@ def writable_type(type_name: str, option: str) -> str:
     return name
 
 
-def ggml_type(type_name: str) -> GGMLQuantizationType:
-    """The `gguf` enum member for a type name (what gguf's writer takes)."""
-    from gguf.constants import GGMLQuantizationType
-
-    return GGMLQuantizationType(ggml_info(type_name).id)
+def ggml_type(type_name: str) -> GGMLQuantType:
+    """The enum member for a type name (what gguf's writer takes: it writes the number)."""
+    return GGMLQuantType[ggml_info(type_name).name]
 
 
 @functools.cache

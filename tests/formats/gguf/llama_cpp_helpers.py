@@ -191,16 +191,17 @@ def llama_cpp_logits(path: Path, tokens: list[int], n_ctx: int = 128) -> torch.T
     return torch.tensor(np.asarray(llm.scores[: len(tokens)]))
 
 
-def assert_same_top1(ours: torch.Tensor, theirs: torch.Tensor, label: str, atol: float = 1e-2) -> float:
+def assert_same_top1(ours: torch.Tensor, theirs: torch.Tensor, label: str, atol: float = 1e-2,
+                     min_clear: float = 0.5) -> float:  # fmt: skip
     """The logits within `atol` of llama.cpp's, its most likely token ours at every position clear of a
     near-tie (our top two further apart than 4x the measured difference: no kernel's rounding flips
-    those), and at least half the positions clear, so the check means something; prints and returns the
-    largest difference. (At a near-tie either engine may pick either token, on either CPU.)"""
+    those), and at least `min_clear` of the positions clear, so the check means something; prints and
+    returns the largest difference. (At a near-tie either engine may pick either token, on either CPU.)"""
     diff = (theirs - ours).abs().max().item()
     print(f"{label}: max |llama.cpp - llmopt| logit = {diff:.3g}")
     top2 = ours.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 4 * diff
-    assert diff < atol and int(clear.sum()) >= ours.shape[0] // 2, (diff, int(clear.sum()))
+    assert diff < atol and int(clear.sum()) >= ours.shape[0] * min_clear, (diff, int(clear.sum()))
     assert (theirs.argmax(-1) == ours.argmax(-1))[clear].all()
     return diff
 

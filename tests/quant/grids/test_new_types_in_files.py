@@ -1,6 +1,6 @@
-"""GGUF files holding IQ1_S, IQ1_M and Q1_0 tensors as llmopt writes them: llmopt reads the IQ1 ones back
-(loading, `inspect`, `convert`, the runtime's quantized path) as exactly the grids' values; Q1_0, which
-the `gguf` package cannot dequantize, is llama.cpp's own dequantization of the file's bytes."""
+"""GGUF files holding IQ1_S, IQ1_M, Q1_0 and Q2_0 tensors as llmopt writes them: llmopt reads the IQ1 ones
+back (loading, `inspect`, `convert`, the runtime's quantized path) as exactly the grids' values; Q1_0 and
+Q2_0, which the `gguf` package cannot dequantize, are llama.cpp's own dequantization of the file's bytes."""
 
 from __future__ import annotations
 
@@ -90,23 +90,33 @@ def test_inspect_and_convert_read_iq1(iq1_file, llmopt_cli, tmp_path: Path) -> N
             assert torch.equal(converted.load(name, torch.float32), written.load(name, torch.float32))
 
 
-def test_q1_0_file_holds_llama_cpps_values_and_our_readers_read_them(tmp_path: Path) -> None:
-    """Q1_0 (ffn_down): the file's bytes read by llama.cpp's own dequantizer are our grid's values, and
-    so are what llmopt's reader (`load`) and the runtime's quantized linear read back (the `gguf`
-    package has no Q1_0 dequantizer; model/dequantize.py has)."""
+@pytest.mark.parametrize("type_name", ["Q1_0", "Q2_0"])
+def test_low_bit_file_holds_llama_cpps_values_and_our_readers_read_them(tmp_path: Path, type_name: str) -> None:
+    """Q1_0 / Q2_0 (ffn_down): the file's bytes read by llama.cpp's own dequantizer are our grid's values,
+    and so are what llmopt's reader (`load`) and the runtime's quantized linear read back (the `gguf`
+    package has no dequantizer for either, nor Q2_0's type id: model/dequantize.py and ggml_types.py
+    have); llama.cpp runs the file with our logits."""
+    from llmopt.model.gguf_header import read_gguf
     from llmopt.runtime.weights import load_model
+    from tests.formats.gguf.llama_cpp_helpers import assert_same_top1, llama_cpp_logits
 
-    hf, path, _ = _write(tmp_path, [("ffn_down", "Q1_0")])
-    raw = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}["blk.1.ffn_down.weight"]
-    assert raw.tensor_type.name == "Q1_0"
+    hf, path, _ = _write(tmp_path, [("ffn_down", type_name)])
+    raw = {t.name: t for t in read_gguf(path).tensors}["blk.1.ffn_down.weight"]
+    assert raw.tensor_type.name == type_name
     with open_model(hf) as src:
         w = src.load("model.layers.1.mlp.down_proj.weight", torch.float32)
-    theirs = ggml_dequantize("Q1_0", np.asarray(raw.data).reshape(w.shape[0], -1))
-    assert np.array_equal(theirs, quantize("Q1_0", w).dequantize().numpy())
+    theirs = ggml_dequantize(type_name, np.asarray(raw.data).reshape(w.shape[0], -1))
+    assert np.array_equal(theirs, quantize(type_name, w).dequantize().numpy())
     with open_model(path) as written:
         assert np.array_equal(written.load("model.layers.1.mlp.down_proj.weight").numpy(), theirs)
     model = load_model(str(path), "float32", "cpu", gguf_quantized=True).model
     (layer,) = [m for n, m in model.named_modules()
-                if "layers.1." in n and getattr(getattr(m, "qtype", None), "name", None) == "Q1_0"]
+                if "layers.1." in n and getattr(getattr(m, "qtype", None), "name", None) == type_name]
     x = torch.randn(3, w.shape[1])
     assert torch.allclose(layer(x), x @ torch.from_numpy(theirs).T, rtol=1e-5, atol=1e-4)
+    tokens = torch.randint(0, 300, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        ours = model(torch.tensor([tokens]))[0]
+    # llama.cpp multiplies the Q8_0 tensors by Q8_0-rounded activations (differences ~0.03), and this small
+    # random model's logits are flat: a quarter of the positions are clear of a near-tie
+    assert_same_top1(ours, llama_cpp_logits(path, tokens), f"{type_name} file", atol=0.05, min_clear=0.25)

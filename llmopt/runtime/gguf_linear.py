@@ -307,8 +307,11 @@ def stacked(modules: list[nn.Module]) -> nn.Module | None:
     nn.Module.__init__(fused)
     vars(fused).update(plain)
     fused.out_features = sum(m.out_features for m in modules)
+    made: dict[int, torch.Tensor] = {}  # by the first part's buffer: one that is another (Q4_0's b is its a) stays one
     for name, buf in first._buffers.items():
-        fused.register_buffer(name, None if buf is None else torch.cat([m._buffers[name] for m in modules]))
+        if buf is not None and id(buf) not in made:
+            made[id(buf)] = torch.cat([m._buffers[name] for m in modules])
+        fused.register_buffer(name, None if buf is None else made[id(buf)])
     fused.bias = None if first.bias is None else nn.Parameter(torch.cat([m.bias for m in modules]), requires_grad=False)
     return fused
 

@@ -219,6 +219,9 @@ def test_linears_reading_one_input_stack_into_one_module(qtype):
     parts = [quantized_linear(qtype, _blocks(qtype, rows=r, seed=r), torch.randn(r)) for r in (32, 16, 16)]
     fused = stacked(parts)
     assert type(fused) is type(parts[0]) and fused.out_features == 64 and fused.in_features == 512
+    held = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for p in [fused] for b in p.buffers()}
+    assert sum(held.values()) == sum({b.untyped_storage().data_ptr(): b.untyped_storage().nbytes()
+                                      for p in parts for b in p.buffers()}.values())  # nothing held twice
     assert torch.equal(fused.rows(slice(0, 64)), torch.cat([p.rows(slice(0, p.out_features)) for p in parts]))
     for x in (torch.randn(1, 512), torch.randn(5, 512)):  # a decode step's compiled product, and tiles
         torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], dim=-1), rtol=1e-5, atol=1e-5)

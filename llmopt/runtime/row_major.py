@@ -132,9 +132,11 @@ class TiedEmbedding(nn.Module):
         return self.head.column(ids)
 
 
-def fuse_shared_inputs(model: Decoder, fuse: Callable[[list[nn.Module]], nn.Module | None]) -> None:
+def fuse_shared_inputs(model: Decoder, fuse: Callable[[list[nn.Module]], nn.Module | None],
+                       after_each: Callable[[], None] = lambda: None) -> None:  # fmt: skip
     """Replace each block's q/k/v by `attn.qkv` and gate/up by `mlp.gate_up` wherever `fuse(linears)`
-    gives one module for them (None leaves them apart): one product per input instead of three or two."""
+    gives one module for them (None leaves them apart): one product per input instead of three or two.
+    `after_each` runs once the parts of each fused group are dropped (to hand their memory back)."""
     for block in model.layers:
         attn, mlp = block.self_attn, getattr(block, "mlp", None)  # a MoE block has experts instead, under its
         groups = [(attn, "qkv", ("q_proj", "k_proj", "v_proj"))]  # own name or, in Qwen2-MoE, as "mlp":
@@ -145,6 +147,7 @@ def fuse_shared_inputs(model: Decoder, fuse: Callable[[list[nn.Module]], nn.Modu
                 setattr(owner, fused_name, fused)
                 for n in names:
                     delattr(owner, n)
+                after_each()
 
 
 def use_row_major_linears(model: Decoder, width: int = CHUNK_WIDTH, onednn: bool | None = None) -> Decoder:

@@ -145,8 +145,7 @@ def _gguf_decoder(source: GGUFSource, dtype: torch.dtype) -> Decoder:
         del data
         source.release_pages()  # copied out: the file's pages need not stay resident
         return_freed_memory()  # nor the temporaries' heap pages
-    fuse_shared_inputs(model, stacked)
-    return_freed_memory()
+    fuse_shared_inputs(model, stacked, after_each=return_freed_memory)  # the parts' heap pages too
     return _finished(model, source, torch.device("cpu"))
 
 

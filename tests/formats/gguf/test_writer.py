@@ -257,3 +257,19 @@ def test_big_tensors_encoded_in_slabs_match_llama_cpp(wide, tmp_path: Path, monk
         slabs.clear()
         assert_same_as_llama_cpp(write(source, tmp_path / "ours.gguf", mix, importance=importance), theirs)
         assert "token_embd.weight" in slabs and "blk.0.ffn_down.weight" in slabs and "blk.0.attn_q.weight" not in slabs
+
+
+@pytest.mark.parametrize(("mix", "loaded"), [("Q4_K_M", True), ("Q8_0", False)])
+def test_kernels_a_plan_needs_are_loaded_before_its_first_tensor(wide, tmp_path: Path, mix: str, loaded: bool) -> None:
+    """In a fresh process: a plan with K-quants loads numba's kernels before its first tensor (its Q8_0
+    and other legacy tensors then take them too); a Q8_0 file never loads them."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pathlib import Path; from llmopt.model import open_model\n"
+            "from llmopt.formats.gguf.writer import GGUFWriter, plan_gguf\n"
+            f"src = open_model(Path({str(wide('llama')[0])!r}))\n"
+            f"w = GGUFWriter(src, Path({str(tmp_path / 'm.gguf')!r}), plan_gguf(src, {mix!r}))\n"
+            "print('llmopt.quant.grids.compiled' in sys.modules)")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split()[-1] == str(loaded)

@@ -138,9 +138,9 @@ def fuse_shared_inputs(model: Decoder, fuse: Callable[[list[nn.Module]], nn.Modu
     gives one module for them (None leaves them apart): one product per input instead of three or two.
     `after_each` runs once the parts of each fused group are dropped (to hand their memory back)."""
     for block in model.layers:
-        attn, mlp = block.self_attn, getattr(block, "mlp", None)  # a MoE block has experts instead, under its
-        groups = [(attn, "qkv", ("q_proj", "k_proj", "v_proj"))]  # own name or, in Qwen2-MoE, as "mlp":
-        if hasattr(mlp, "gate_up"):  # only a dense MLP has a fused gate/up
+        attn, mlp = block.self_attn, getattr(block, "mlp", None)
+        groups = [(attn, "qkv", ("q_proj", "k_proj", "v_proj"))]
+        if hasattr(mlp, "gate_up"):  # a dense MLP (a MoE block's experts, "mlp" in Qwen2-MoE, have no gate_up)
             groups.append((mlp, "gate_up", ("gate_proj", "up_proj")))
         for owner, fused_name, names in groups:
             if (fused := fuse([getattr(owner, n) for n in names])) is not None:

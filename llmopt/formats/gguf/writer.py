@@ -168,7 +168,7 @@ class GGUFWriter:
         self.path: Path | None = None
         header = plan.header if plan.header and plan.header_key == plan.key() else _render_header(source, plan)
         self.file.write(header)  # then each tensor at the next multiple of the alignment, as GGUFWriter does
-        _load_kernels_first(plan)
+        _load_kernels_first(plan, weighted=importance is not None)
 
     def add(self, block: BlockResult) -> None:
         """Take one block's results; write every tensor whose turn has come."""
@@ -243,15 +243,16 @@ class GGUFWriter:
             self.out.discard()
 
 
-def _load_kernels_first(plan: GgufPlan) -> None:
-    """Quantize one small row of each planned type before the first tensor, so that the compiled kernels
-    any of them loads (numba's import and cache, ~0.25 s a process, paid once either way) are there
-    for every tensor: the legacy types take them only when loaded (grids/legacy.py), and Q8_0 runs 4.6x
-    faster on them than on torch ops (SmolLM2's 49152x576 embedding: 0.012 s against 0.056 s)."""
+def _load_kernels_first(plan: GgufPlan, weighted: bool) -> None:
+    """Quantize one small row of each planned type before the first tensor (with an importance vector
+    where the write has one or the type needs one), so that the compiled kernels any of them loads
+    (numba's import and cache, ~0.25 s a process, paid once either way) are there for every tensor:
+    the legacy types take them only when loaded (grids/legacy.py), and Q8_0 runs 4.6x faster on them
+    than on torch ops (SmolLM2's 49152x576 embedding: 0.012 s against 0.056 s)."""
     probe = torch.randn(1, 256, generator=torch.Generator().manual_seed(0))
     for type_name in sorted({t.type_name for t in plan.tensors} - {"F32", "F16", "BF16"}):
         with single_threaded_ops():
-            quantize(type_name, probe, torch.ones(256))
+            quantize(type_name, probe, torch.ones(256) if weighted or type_name in IMATRIX_TYPES else None)
 
 
 def _check_importance(plan: GgufPlan, importance: Mapping[str, torch.Tensor] | None, computed: set[str]) -> None:

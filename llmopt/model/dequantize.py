@@ -20,11 +20,16 @@ def dequantize(data: np.ndarray, qtype: GGMLQuantType) -> np.ndarray:
     return gguf_dequantize(data, qtype) if ours is None else ours(np.asarray(data).view(np.uint8))
 
 
+def _leading_fp16(blocks: np.ndarray) -> np.ndarray:
+    """The fp16 scale each block [n, bytes] starts with, as float32 [n, 1]."""
+    return blocks[:, :2].copy().view(np.float16).astype(np.float32)
+
+
 def _q1_0(data: np.ndarray) -> np.ndarray:
     """Q1_0 (dequantize_row_q1_0 in ggml-quants.c): 18-byte blocks of an fp16 d and 128 sign bits,
     value j in bit j%8 of byte j/8; w = +d for a set bit, -d otherwise."""
     blocks = data.reshape(-1, 18)
-    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    d = _leading_fp16(blocks)
     signs = np.unpackbits(blocks[:, 2:], axis=-1, bitorder="little").astype(np.float32) * 2.0 - 1.0
     return (d * signs).reshape(*data.shape[:-1], data.shape[-1] // 18 * 128)
 
@@ -33,7 +38,7 @@ def _q2_0(data: np.ndarray) -> np.ndarray:
     """Q2_0 (dequantize_row_q2_0 in ggml-quants.c): 18-byte blocks of an fp16 d and 64 two-bit codes,
     value j in bits 2·(j%4) of byte j/4; w = (q - 1)·d."""
     blocks = data.reshape(-1, 18)
-    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    d = _leading_fp16(blocks)
     q = (blocks[:, 2:, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & 3
     return (d * (q.reshape(-1, 64).astype(np.float32) - 1.0)).reshape(*data.shape[:-1], data.shape[-1] // 18 * 64)
 

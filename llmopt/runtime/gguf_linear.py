@@ -292,20 +292,23 @@ class TiedQuantizedEmbedding(nn.Module):
         return self.head.rows(ids.reshape(-1)).reshape(*ids.shape, -1).to(self.dtype)
 
 
+def _layout(m: nn.Module) -> tuple:
+    """What must agree for rows to stack: the class, the plain attributes but the row count (multipliers,
+    groups per scale, widths), and which buffers and bias are absent."""
+    plain = {k: v for k, v in vars(m).items() if not k.startswith("_") and k != "out_features"}
+    return type(m), plain, [b is None for b in (*m._buffers.values(), m.bias)]
+
+
 def stacked(modules: list[nn.Module]) -> nn.Module | None:
     """One module for linears that read the same input (q/k/v, gate/up: `row_major.fuse_shared_inputs`),
     their rows one after another, where all have the same class and layout (a Q4_K q with a Q6_K v:
     None). A decode step then makes one product where it made three: SmolLM2 calls 120, not 210."""
     first = modules[0]
-    plain = {k: v for k, v in vars(first).items() if not k.startswith("_") and k != "out_features"}
-    if not isinstance(first, (NibbleLinear, Int8GroupLinear, Q6KLinear)) or any(
-            type(m) is not type(first) or {k: v for k, v in vars(m).items() if k in plain} != plain
-            or [b is None for b in (*m._buffers.values(), m.bias)] != [b is None for b in (*first._buffers.values(), first.bias)]
-            for m in modules):  # fmt: skip
+    if not isinstance(first, (NibbleLinear, Int8GroupLinear, Q6KLinear)) or any(_layout(m) != _layout(first) for m in modules):
         return None
     fused = type(first).__new__(type(first))
     nn.Module.__init__(fused)
-    vars(fused).update(plain)
+    vars(fused).update(_layout(first)[1])
     fused.out_features = sum(m.out_features for m in modules)
     made: dict[int, torch.Tensor] = {}  # by the first part's buffer: one that is another (Q4_0's b is its a) stays one
     for name, buf in first._buffers.items():

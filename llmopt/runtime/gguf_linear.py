@@ -304,7 +304,9 @@ def stacked(modules: list[nn.Module]) -> nn.Module | None:
     their rows one after another, where all have the same class and layout (a Q4_K q with a Q6_K v:
     None). A decode step then makes one product where it made three: SmolLM2 calls 120, not 210."""
     first = modules[0]
-    if not isinstance(first, (NibbleLinear, Int8GroupLinear, Q6KLinear)) or any(_layout(m) != _layout(first) for m in modules):
+    if not isinstance(first, (NibbleLinear, Int8GroupLinear, Q6KLinear)):
+        return None
+    if any(_layout(m) != _layout(first) for m in modules):
         return None
     fused = type(first).__new__(type(first))
     nn.Module.__init__(fused)

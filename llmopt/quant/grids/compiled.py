@@ -239,6 +239,22 @@ def requantize(x: np.ndarray, levels: np.ndarray, scale: np.ndarray, shift: np.n
                 codes[b, i] = np.uint8(min(max(np.rint((x[b, i] + s) / d), flo), fhi) + foff)
 
 
+# --------------------------------------------------------------------------- legacy types' imatrix weights
+@numba.njit(**_JIT)
+def row_importance_weights(x: np.ndarray, importance: np.ndarray, out: np.ndarray) -> None:
+    """The legacy types' imatrix weights (quantize_row_q4_0_impl and its kin): importance[j]·sqrtf(σ² + x²)
+    with σ² = Σx²/n over each whole row of x [rows, cols], summed in index order."""
+    rows, cols = x.shape
+    n = F32(cols)
+    for r in range(rows):
+        sum_x2 = F32(0.0)
+        for j in range(cols):
+            sum_x2 += x[r, j] * x[r, j]
+        sigma2 = sum_x2 / n
+        for j in range(cols):
+            out[r, j] = importance[j] * np.sqrt(sigma2 + x[r, j] * x[r, j])
+
+
 # ------------------------------------------------------------------- legacy types, no importance matrix
 @numba.njit(**_JIT)
 def q8_0_rows(x: np.ndarray, codes: np.ndarray, d_out: np.ndarray) -> None:

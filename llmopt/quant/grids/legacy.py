@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from llmopt.quant.grids.layout import BlockGrid, importance_major, to_rows
-from llmopt.quant.grids.numerics import blocks_major, c_low_byte, c_max, c_min, c_sqrt, first_absmax, rdiv, seq_sum
-from llmopt.quant.grids.searches import compiled_for, make_qkx_quants, make_qx_quants
+from llmopt.quant.grids.layout import BlockGrid
+from llmopt.quant.grids.numerics import c_low_byte, c_max, c_min, c_sqrt, first_absmax, rdiv, seq_sum
+from llmopt.quant.grids.searches import compiled_for, f32_array, qkx_rows, qx_rows
 from llmopt.quantized_tensor import QuantizedTensor
 
 QK = 32
@@ -31,9 +31,15 @@ def _round_away(v: torch.Tensor) -> torch.Tensor:
     return floored.add_(torch.floor(a.sub_(floored).mul_(2))).copysign_(v)
 
 
-def _row_sigma2(w: torch.Tensor) -> torch.Tensor:
-    """Σx²/n over each whole row, in index order: the σ² of llama.cpp's legacy imatrix weights."""
-    return seq_sum((w * w).t().contiguous()) / w.shape[1]
+def _importance_weights(w: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's legacy imatrix weights, row-major like w: importance[j]·sqrtf(σ² + x²), σ² = Σx²/n over
+    each whole row in index order. One compiled pass on CPU (the searches that use it load numba anyway)."""
+    if (kernels := compiled_for(w)) is not None:
+        out = torch.empty(w.shape)
+        kernels.row_importance_weights(f32_array(w), f32_array(importance), out.numpy())
+        return out
+    sigma2 = seq_sum((w * w).t().contiguous()) / w.shape[1]
+    return importance.to(torch.float32)[None, :] * c_sqrt(sigma2[:, None] + w * w)
 
 
 @dataclass(frozen=True)
@@ -56,13 +62,8 @@ class SymmetricGrid(BlockGrid):
             d = first_absmax(x.t()) / -half
             q = c_low_byte(torch.trunc(x * _inverse(d)[:, None] + (half + 0.5))).clamp_(0, 2 * half - 1)
             return {"codes": q.reshape(rows, -1).to(torch.uint8), "d": d.to(torch.float16).reshape(rows, -1)}
-        else:
-            x = blocks_major(w, QK)
-            sigma2 = _row_sigma2(w).repeat_interleave(w.shape[1] // QK)
-            weights = importance_major(importance, rows, QK) * c_sqrt(sigma2 + x * x)
-            d, q = make_qx_quants(x, half, weights)
-            d16 = d.to(torch.float16)
-        return {"codes": to_rows(q, rows).to(torch.uint8), "d": d16.reshape(rows, -1)}
+        d, q = qx_rows(w.reshape(-1, QK), half, _importance_weights(w, importance).reshape(-1, QK))
+        return {"codes": q.reshape(rows, -1).to(torch.uint8), "d": d.to(torch.float16).reshape(rows, -1)}
 
     def assemble(self, out: dict[str, torch.Tensor]) -> QuantizedTensor:
         scales = out["d"].to(torch.float32)
@@ -91,11 +92,9 @@ class AffineGrid(BlockGrid):
             q = c_low_byte(torch.trunc((x - mn[:, None]) * _inverse(d)[:, None] + 0.5)).clamp_(0, levels).reshape(rows, -1)
             m = mn
         else:
-            x = blocks_major(w, QK)
-            sigma2 = _row_sigma2(w).repeat_interleave(w.shape[1] // QK)
-            weights = importance_major(importance, rows, QK) * c_sqrt(sigma2 + x * x)
-            d, the_min, q = make_qkx_quants(x, weights, levels, -0.9, 0.05, 36, use_mad=False)
-            m, q = -the_min, to_rows(q, rows)
+            weights = _importance_weights(w, importance).reshape(-1, QK)
+            d, the_min, q = qkx_rows(w.reshape(-1, QK), weights, levels, -0.9, 0.05, 36, use_mad=False)
+            m, q = -the_min, q.reshape(rows, -1)
         return {
             "codes": q.to(torch.uint8),
             "d": d.to(torch.float16).reshape(rows, -1),

@@ -67,7 +67,7 @@ def compiled_for(x: torch.Tensor, if_loaded: bool = False) -> ModuleType | None:
     return _kernels()
 
 
-def _f32(t: torch.Tensor) -> np.ndarray:
+def f32_array(t: torch.Tensor) -> np.ndarray:
     """A float32 C-contiguous numpy view (or copy) of a CPU tensor, for the kernels."""
     return t.detach().to(torch.float32).contiguous().numpy()
 
@@ -83,10 +83,10 @@ def qx_rows(x: torch.Tensor, nmax: int, weights: torch.Tensor | None = None) -> 
     if not _use_compiled(x.t()):
         scale, levels = make_qx_quants(x.t().contiguous(), nmax, None if weights is None else weights.t().contiguous())
         return scale, levels.t().contiguous()
-    xs = _f32(x)
+    xs = f32_array(x)
     mode = _kernels().SQUARES if weights is None else _kernels().GIVEN
     scale, levels = torch.empty(x.shape[0]), torch.empty(x.shape)
-    _kernels().qx_search(xs, xs if weights is None else _f32(weights), mode, nmax,
+    _kernels().qx_search(xs, xs if weights is None else f32_array(weights), mode, nmax,
                          np.array(_qx_numerators(nmax), np.float32), np.float32(GROUP_MAX_EPS), scale.numpy(),
                          levels.numpy())  # fmt: skip
     return scale, levels
@@ -101,11 +101,11 @@ def qkx_rows(x: torch.Tensor, weights: torch.Tensor | None, nmax: int, rmin: flo
         w = c_sqrt(seq_sum(xt * xt) / xt.shape[0]) + xt.abs() if weights is None else weights.t().contiguous()
         scale, the_min, levels = make_qkx_quants(xt, w, nmax, rmin, rdelta, nstep, use_mad)
         return scale, the_min, levels.t().contiguous()
-    xs = _f32(x)
+    xs = f32_array(x)
     mode = _kernels().RMS_ABS if weights is None else _kernels().GIVEN
     numerators = np.array([c_float(c_step(rmin, rdelta, s) + nmax) for s in range(nstep + 1)], np.float32)
     scale, the_min, levels = torch.empty(x.shape[0]), torch.empty(x.shape[0]), torch.empty(x.shape)
-    _kernels().qkx_search(xs, xs if weights is None else _f32(weights), mode, nmax, numerators, use_mad, scale.numpy(),
+    _kernels().qkx_search(xs, xs if weights is None else f32_array(weights), mode, nmax, numerators, use_mad, scale.numpy(),
                           the_min.numpy(), levels.numpy())  # fmt: skip
     return scale, the_min, levels
 
@@ -121,7 +121,7 @@ def requantize_rows(x: torch.Tensor, levels: torch.Tensor, scale: torch.Tensor, 
         return torch.where(d == 0, levels, requant).to(torch.uint8)
     codes = torch.empty(x.shape, dtype=torch.uint8)
     zeros = torch.zeros(x.shape[0]) if shift is None else shift
-    _kernels().requantize(_f32(x), _f32(levels), _f32(scale), _f32(zeros), lo, hi, offset, codes.numpy())
+    _kernels().requantize(f32_array(x), f32_array(levels), f32_array(scale), f32_array(zeros), lo, hi, offset, codes.numpy())
     return codes
 
 
@@ -177,7 +177,7 @@ def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
     """Q3_K's reference search (do_rmse): x²-weighted scale, then up to 5 passes moving single levels."""
     if _use_compiled(x):
         scale, levels = torch.empty(x.shape[1]), torch.empty(x.shape[1], x.shape[0])
-        _kernels().q3_search(_f32(x.t()), nmax, np.float32(GROUP_MAX_EPS), scale.numpy(), levels.numpy())
+        _kernels().q3_search(f32_array(x.t()), nmax, np.float32(GROUP_MAX_EPS), scale.numpy(), levels.numpy())
         return scale, levels.t()
     mx = first_absmax(x)
     zero = x.abs().amax(dim=0) < GROUP_MAX_EPS
@@ -297,7 +297,7 @@ def make_qp_quants(x: torch.Tensor, nmax: int, weights: torch.Tensor, wrap: bool
     if _use_compiled(x):
         numerators = np.array([c_step(nmax, 0.1, step) for step in range(-4, 5) if step != 0], np.float32)
         scale, levels = torch.empty(x.shape[1]), torch.empty(x.shape[1], x.shape[0])
-        _kernels().qp_search(_f32(x.t()), _f32(w.t()), nmax, numerators, np.float32(GROUP_MAX_EPS), wrap, scale.numpy(),
+        _kernels().qp_search(f32_array(x.t()), f32_array(w.t()), nmax, numerators, np.float32(GROUP_MAX_EPS), wrap, scale.numpy(),
                              levels.numpy())  # fmt: skip
         return scale, levels.t()
     mx = positive_max(x, dim=0)

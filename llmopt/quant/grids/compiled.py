@@ -411,6 +411,30 @@ def _best_neighbour(xt: np.ndarray, wat: np.ndarray, g: int, t: int, start: int,
 
 
 @numba.njit(**_JIT)
+def neighbour_points(keys: np.ndarray, x: np.ndarray, w: np.ndarray, scale: np.ndarray, values: np.ndarray,
+                     kmap: np.ndarray, neighbours: np.ndarray, coords: np.ndarray, out: np.ndarray) -> None:  # fmt: skip
+    """lattice.Lattice.best_neighbour for groups one by one: keys [m] (off the lattice), x/w [m, dims],
+    scale [m], values [m or 1, levels] (what level l stands for) -> the point of least
+    Σ (q·scale - x)·w·(q·scale - x) among the key's candidates, the first of equals (a NaN: the first NaN)."""
+    for r in range(keys.shape[0]):
+        v = values[r if values.shape[0] > 1 else 0]
+        start = -kmap[keys[r]] - 1
+        best, best_d2 = -1, F32(0.0)
+        for c in range(neighbours[start] if start >= 0 else 0):
+            p = neighbours[start + 1 + c]
+            d2 = F32(0.0)
+            for i in range(x.shape[1]):
+                diff = v[coords[p, i]] * scale[r] - x[r, i]
+                d2 += diff * w[r, i] * diff
+            if d2 != d2:
+                best = p
+                break
+            if best < 0 or d2 < best_d2:
+                best, best_d2 = p, d2
+        out[r] = best
+
+
+@numba.njit(**_JIT)
 def _lattice_round(xt: np.ndarray, wat: np.ndarray, inv: np.ndarray, scale: np.ndarray, lane_on: np.ndarray,
                    only: np.ndarray, use_only: bool, nmax: int, dims: int, nbits: int, index_of_key: np.ndarray,
                    neighbours: np.ndarray, points: np.ndarray, coords: np.ndarray,
@@ -653,3 +677,114 @@ def q3_search(x: np.ndarray, nmax: int, eps: np.float32, scale_out: np.ndarray, 
         scale_out[b] = sumlx / suml2 if suml2 > zero else zero
         for i in range(n):
             levels_out[b, i] = L[i] + F32(nmax)
+# ------------------------------------------------------------------------------ IQ1_S / IQ1_M split scan
+@numba.njit(**_JIT)
+def _load_prefix(src: np.ndarray, dst: np.ndarray, b0: int, m: int) -> None:
+    """dst[j + 1, t] = dst[j, t] + src[b0 + t, j] from dst[0] = +0 (padding lanes repeat block b0)."""
+    for t in range(TILE):
+        dst[0, t] = F32(0.0)
+    for j in range(src.shape[1]):
+        for t in range(TILE):
+            dst[j + 1, t] = dst[j, t] + src[b0 + t if t < m else b0, j]
+
+
+@numba.njit(inline="always", **_JIT)
+def _reset_scan(best: np.ndarray, chosen: np.ndarray) -> None:
+    """A tile's scan state: best [2, TILE] (the score, the scale), chosen [3, TILE] (i1, i2, k; k -1: none)."""
+    for t in range(TILE):
+        best[0, t], best[1, t] = -_FLT_MAX, F32(0.0)
+        chosen[0, t], chosen[1, t], chosen[2, t] = 0, 0, -1
+
+
+@numba.njit(inline="always", **_JIT)  # called per candidate and lane: no call overhead
+def _offer(qx: np.float32, q2: np.float32, t: int, i1: int, i2: int, k: int, best: np.ndarray,
+           chosen: np.ndarray) -> None:  # fmt: skip
+    """iq1.py's _Scan.offer for one candidate of lane t: it wins when Σwq² > 0 and (Σwqx)² > best·Σwq²."""
+    ok = q2 > F32(0.0) and qx * qx > best[0, t] * q2
+    ratio = qx / (q2 if ok else F32(1.0))
+    best[0, t] = ratio * qx if ok else best[0, t]
+    best[1, t] = ratio if ok else best[1, t]
+    chosen[0, t] = i1 if ok else chosen[0, t]
+    chosen[1, t] = i2 if ok else chosen[1, t]
+    chosen[2, t] = k if ok else chosen[2, t]
+
+
+@numba.njit(inline="always", **_JIT)
+def _store_scan(best: np.ndarray, chosen: np.ndarray, b0: int, m: int, chosen_out: np.ndarray,
+                scale_out: np.ndarray) -> None:  # fmt: skip
+    for t in range(m):
+        for c in range(3):
+            chosen_out[b0 + t, c] = chosen[c, t]
+        scale_out[b0 + t] = best[1, t]
+
+
+@numba.njit(**_JIT)
+def iq1_s_splits(ws: np.ndarray, wxs: np.ndarray, values: np.ndarray, chosen_out: np.ndarray,
+                 scale_out: np.ndarray) -> None:  # fmt: skip
+    """IQ1_S's split scan (iq1.py's `_split_s`): ws/wxs [S, n] a sub-block's weights and weight·x in
+    sorted order; every split i1 <= i2 of that order into levels 0, 1, 2, with `values[k]` (k 0: the
+    +1/8 shift, 1: -1/8) in llama.cpp's order. Out: the winning (i1, i2, k) [S, 3] (k -1: none won), its scale."""
+    blocks, n = ws.shape
+    sx, sw = np.empty((n + 1, TILE), F32), np.empty((n + 1, TILE), F32)
+    best, chosen = np.empty((2, TILE), F32), np.empty((3, TILE), np.int64)
+    for b0 in range(0, blocks, TILE):
+        m = min(TILE, blocks - b0)
+        _load_prefix(wxs, sx, b0, m)
+        _load_prefix(ws, sw, b0, m)
+        _reset_scan(best, chosen)
+        for i1 in range(n + 1):
+            for i2 in range(i1, n + 1):
+                for k in range(2):
+                    v0, v1, v2 = values[k, 0], values[k, 1], values[k, 2]
+                    for t in range(TILE):
+                        qx = (sx[i1, t] - sx[0, t]) * v0 + (sx[i2, t] - sx[i1, t]) * v1 + (sx[n, t] - sx[i2, t]) * v2
+                        q2 = ((sw[i1, t] - sw[0, t]) * v0 * v0 + (sw[i2, t] - sw[i1, t]) * v1 * v1
+                              + (sw[n, t] - sw[i2, t]) * v2 * v2)  # fmt: skip
+                        _offer(qx, q2, t, i1, i2, k, best, chosen)
+        _store_scan(best, chosen, b0, m, chosen_out, scale_out)
+
+
+@numba.njit(**_JIT)
+def iq1_m_splits(ws: np.ndarray, wxs: np.ndarray, second: np.ndarray, consts: np.ndarray, chosen_out: np.ndarray,
+                 scale_out: np.ndarray) -> None:  # fmt: skip
+    """IQ1_M's split scan (iq1.py's `_split_m`): as iq1_s_splits with one shift per half (k = 2·first
+    half's + second's, 1 meaning -1/8), from prefix sums kept per half (`second[b, j]`: sorted position
+    j holds a value of the second half). consts: p2, m2, cp1, cp2, cm1, cm2 as `_split_m` has them."""
+    blocks, n = ws.shape
+    zero = F32(0.0)
+    p2, m2, cp1, cp2, cm1, cm2 = consts[0], consts[1], consts[2], consts[3], consts[4], consts[5]
+    px, pw = np.empty((2, n + 1, TILE), F32), np.empty((2, n + 1, TILE), F32)
+    fx, f2 = np.empty((2, 2, TILE), F32), np.empty((2, 2, TILE), F32)  # [shift, half, lane]
+    best, chosen = np.empty((2, TILE), F32), np.empty((3, TILE), np.int64)
+    for b0 in range(0, blocks, TILE):
+        m = min(TILE, blocks - b0)
+        for t in range(TILE):
+            for h in range(2):
+                px[h, 0, t] = zero
+                pw[h, 0, t] = zero
+        for j in range(n):
+            for t in range(TILE):
+                b = b0 + t if t < m else b0
+                mine = 1 if second[b, j] else 0
+                for h in range(2):
+                    take = h == mine
+                    px[h, j + 1, t] = px[h, j, t] + wxs[b, j] if take else px[h, j, t]
+                    pw[h, j + 1, t] = pw[h, j, t] + ws[b, j] if take else pw[h, j, t]
+        _reset_scan(best, chosen)
+        for i1 in range(n + 1):
+            for i2 in range(i1, n + 1):
+                for t in range(TILE):
+                    for h in range(2):
+                        s = px[h, i1, t] + px[h, i2, t]
+                        tx, tw = px[h, n, t], pw[h, n, t]
+                        fx[0, h, t] = tx * p2 - s
+                        fx[1, h, t] = tx * m2 - s
+                        f2[0, h, t] = tw * p2 * p2 + pw[h, i1, t] * cp1 + pw[h, i2, t] * cp2
+                        f2[1, h, t] = tw * m2 * m2 + pw[h, i1, t] * cm1 + pw[h, i2, t] * cm2
+                for k in range(4):
+                    first, last = k >> 1, k & 1
+                    for t in range(TILE):
+                        qx = fx[first, 0, t] + fx[last, 1, t]
+                        q2 = f2[first, 0, t] + f2[last, 1, t]
+                        _offer(qx, q2, t, i1, i2, k, best, chosen)
+        _store_scan(best, chosen, b0, m, chosen_out, scale_out)

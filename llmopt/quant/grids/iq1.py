@@ -16,7 +16,9 @@ d over the whole super-block with the chosen l and stores it ·1.1125. IQ1_S nee
 asserts), IQ1_M does not.
 
 The split search is exhaustive: 561×2 (IQ1_S) or 153×4 (IQ1_M) candidates per sub-block, scanned in
-llama.cpp's order with its float32 comparisons, vectorized over every sub-block of a chunk of rows.
+llama.cpp's order with its float32 comparisons: on CPU by numba kernels over tiles of sub-blocks
+(`compiled.iq1_s_splits` / `iq1_m_splits`, and `neighbour_points` for the off-codebook groups), elsewhere
+by the torch ops here, vectorized over every sub-block of a chunk of rows. Both paths are byte-checked.
 Codes in the QuantizedTensor are 8·(g ± 1/8) + 128 (`bits` 8, symmetric) and scales d·(2l + 1)/8, so
 (code - 128)·scale is exactly gguf's dequantization; the packer recovers each group's point and shift.
 """
@@ -33,6 +35,7 @@ from llmopt.quant.grids.iq_lattice import CODE_OFFSET, GroupSearchGrid
 from llmopt.quant.grids.lattice import Lattice
 from llmopt.quant.grids.layout import QK_K, importance_major, per_block, superblock_sum_x2, to_rows
 from llmopt.quant.grids.numerics import blocks_major, c_float, c_sqrt, nearest_int_exact, positive_max, rdiv, safe_div, seq_sum
+from llmopt.quant.grids.searches import compiled_for, f32_array
 from llmopt.quantized_tensor import QuantizedTensor
 
 IQ1_LATTICE = Lattice(IQ1_KGRID, dims=8, bits=2, nwant=3, levels=IQ1_LEVELS)
@@ -40,6 +43,8 @@ GROUP = 8  # values per codebook point
 SHIFT = 0.125  # IQ1S_DELTA = IQ1M_DELTA
 UP = (-1 + SHIFT, SHIFT, 1 + SHIFT)  # what levels 0, 1, 2 stand for with shift +1/8 (llama.cpp's x_p)
 DOWN = (-1 - SHIFT, -SHIFT, 1 - SHIFT)  # ... with shift -1/8 (x_m)
+# IQ1_M's Σwq² terms as llama.cpp folds them: differences of squared level values, rounded to float32
+SQUARE_STEPS = tuple(c_float(v[a] * v[a] - v[a + 1] * v[a + 1]) for v in (UP, DOWN) for a in (0, 1))  # cp1, cp2, cm1, cm2
 CODE_STEP = 8  # codes are 8·(g ± 1/8) + 128: integers
 FLT_MAX = float(np.finfo(np.float32).max)
 
@@ -104,8 +109,7 @@ def _split_m(ws: torch.Tensor, wxs: torch.Tensor, order: torch.Tensor) -> tuple[
             pw[h, j + 1] = torch.where(mine, pw[h, j] + ws[j], pw[h, j])
     tx, tw = px[:, n, None], pw[:, n, None]  # [2, 1, S]
     p2, m2 = UP[2], DOWN[2]
-    cp1, cp2 = c_float(UP[0] * UP[0] - UP[1] * UP[1]), c_float(UP[1] * UP[1] - UP[2] * UP[2])
-    cm1, cm2 = c_float(DOWN[0] * DOWN[0] - DOWN[1] * DOWN[1]), c_float(DOWN[1] * DOWN[1] - DOWN[2] * DOWN[2])
+    cp1, cp2, cm1, cm2 = SQUARE_STEPS
     scan, table = _Scan(count), []
     for i1 in range(n + 1):
         sx = px[:, i1, None] + px[:, i1:]  # [2, i2 = i1..n, S]
@@ -148,10 +152,9 @@ class IQ1Grid(GroupSearchGrid):
         active = x.abs().amax(dim=0) >= c_float(self.eps)
         order = torch.sort(x, dim=0, stable=True).indices  # C's qsort (glibc: a stable merge sort)
         ws, wxs = weight.gather(0, order), (weight * x).gather(0, order)
-        scan, table = _split_m(ws, wxs, order) if self.per_half else _split_s(ws, wxs)
-        chosen = table[scan.choice.clamp(min=0)]  # [S, 3]
-        live = active & (scan.choice >= 0)
-        scale = torch.where(live, scan.scale, torch.zeros_like(scan.scale))
+        chosen, found, scale = self._splits(ws, wxs, order)
+        live = active & found
+        scale = torch.where(live, scale, torch.zeros_like(scale))
         rank = torch.arange(self.sub)[:, None]
         L = torch.empty_like(order).scatter_(0, order, (rank >= chosen[:, 0]).long() + (rank >= chosen[:, 1]).long())
         shift = chosen[:, 2]
@@ -162,6 +165,27 @@ class IQ1Grid(GroupSearchGrid):
         down = self._down(shift, live)  # [groups, S]: which groups use the -1/8 shift in the search
         levels, scale = self._points(x, weight, L, scale, down, live)
         return self._fields(weight, x, levels, scale, down, rows)
+
+    def _splits(self, ws: torch.Tensor, wxs: torch.Tensor,
+                order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The best split of each sub-block's sorted order: (i1, i2, shift) [S, 3] (shift: IQ1_S ±1,
+        IQ1_M the pair k; (0, 0, first) where none won), whether one won, and its scale. On CPU one
+        compiled pass over tiles of sub-blocks; elsewhere the torch scan."""
+        if (kernels := compiled_for(ws)) is None:
+            scan, table = _split_m(ws, wxs, order) if self.per_half else _split_s(ws, wxs)
+            return table[scan.choice.clamp(min=0)], scan.choice >= 0, scan.scale
+        n, count = ws.shape
+        chosen, scale = torch.empty(count, 3, dtype=torch.int64), torch.empty(count)
+        rows, rows_x, outs = f32_array(ws.t()), f32_array(wxs.t()), (chosen.numpy(), scale.numpy())
+        if self.per_half:
+            consts = np.array((UP[2], DOWN[2], *SQUARE_STEPS), np.float32)
+            kernels.iq1_m_splits(rows, rows_x, (order >= n // 2).t().contiguous().numpy(), consts, *outs)
+        else:
+            kernels.iq1_s_splits(rows, rows_x, np.array((UP, DOWN), np.float32), *outs)
+        found = chosen[:, 2] >= 0
+        k = chosen[:, 2].clamp(min=0)
+        chosen[:, 2] = k if self.per_half else 1 - 2 * k  # IQ1_S: k 0 is the +1/8 shift, 1 the -1/8
+        return chosen, found, scale
 
     def _down(self, shift: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         """Per group of 8, whether the search used the -1/8 shift (skipped sub-blocks: +1/8)."""

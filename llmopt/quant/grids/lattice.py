@@ -16,7 +16,10 @@ import functools
 import numpy as np
 import torch
 
+from llmopt.quant.grids.searches import compiled_for, f32_array
+
 NEIGHBOUR_WIDTHS = (8, 16, 32, 64)  # candidate-list widths the search pads to (then the widest)
+KEYS_AT_ONCE = 512  # keys whose distances to every point are held at once while building the lists (IQ1: 2048 points)
 
 
 class Lattice:
@@ -60,7 +63,15 @@ class Lattice:
         smallest squared distances of 2l + 1 coordinates, by (distance, index), padded with -1.
         int16 [keys, most candidates] (an on-grid key's row is unused)."""
         reachable = np.flatnonzero((self.keys < self.nlevels).all(axis=1))  # keys of levels 0..nlevels-1
-        pos = 2 * self.keys[reachable] + 1  # [keys, dims]
+        lists = [self._nearest_points(2 * self.keys[reachable[s : s + KEYS_AT_ONCE]] + 1)
+                 for s in range(0, len(reachable), KEYS_AT_ONCE)]  # fmt: skip
+        table = np.full((len(self.keys), max(part.shape[1] for part in lists)), -1, dtype=np.int16)
+        for s, part in zip(range(0, len(reachable), KEYS_AT_ONCE), lists, strict=True):
+            table[reachable[s : s + KEYS_AT_ONCE], : part.shape[1]] = part
+        return torch.from_numpy(table)
+
+    def _nearest_points(self, pos: np.ndarray) -> np.ndarray:
+        """`neighbours` for positions pos [keys, dims] (2l + 1 coordinates): int16 [keys, most kept]."""
         grid = 2 * self.coords + 1  # [points, dims]
         d2 = np.zeros((len(pos), len(grid)), dtype=np.int32)
         for i in range(self.dims):
@@ -77,9 +88,7 @@ class Lattice:
         rank = np.where(keep, d2.astype(np.int64) * npts + np.arange(npts), none)
         part = np.argpartition(rank, width - 1, axis=1)[:, :width]
         order = np.take_along_axis(part, np.argsort(np.take_along_axis(rank, part, axis=1), axis=1), axis=1)
-        table = np.full((len(self.keys), width), -1, dtype=np.int16)
-        table[reachable] = np.where(np.take_along_axis(rank, order, axis=1) < none, order, -1)
-        return torch.from_numpy(table)
+        return np.where(np.take_along_axis(rank, order, axis=1) < none, order, -1).astype(np.int16)
 
     @functools.cached_property
     def neighbour_counts(self) -> torch.Tensor:
@@ -146,6 +155,11 @@ class Lattice:
         coordinate order in float32. keys [n], xval/waux [n, dims], scale [n] -> point index [n].
         q is level l's 2l + 1, or `level_values[group, l]` when given ([n, levels]: IQ1's shifted levels)."""
         best = torch.empty(keys.shape, dtype=torch.int64)
+        if (kernels := compiled_for(xval)) is not None:
+            values = level_values if level_values is not None else 2 * torch.arange(self.nlevels)[None] + 1
+            kernels.neighbour_points(keys.numpy(), f32_array(xval), f32_array(waux), f32_array(scale), f32_array(values),
+                                     *self.compact_map, self.coords, best.numpy())  # fmt: skip
+            return best
         counts = self.neighbour_counts[keys]
         for lower, upper, cand, values, levels, valid in self._buckets:  # few candidates for most keys: pad per bucket
             sel = ((counts > lower) & (counts <= upper)).nonzero()[:, 0]

@@ -96,6 +96,16 @@ def test_legacy_bytes_and_dequantization_equal_the_gguf_package(smollm2_hf: Path
             assert np.array_equal(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(ours.shape), ours)
 
 
+def write_with_random_imatrix(hf: Path, out: Path, mix: str) -> tuple[Path, dict[str, torch.Tensor]]:
+    """`mix` written from `hf` with a random importance vector (seeded) for every 2-D block tensor."""
+    g = torch.Generator().manual_seed(0)
+    with open_model(hf) as src:
+        plan = plan_gguf(src, mix, has_imatrix=True)
+        importance = {t.gguf_name: torch.rand(t.shape[-1], generator=g) ** 3 * 5 + 0.01 for t in plan.tensors
+                      if t.gguf_name.startswith("blk.") and len(t.shape) == 2}  # fmt: skip
+        return write_gguf(src, out, plan, importance=importance), importance
+
+
 @pytest.mark.parametrize("mix", ["IQ2_XXS", "IQ3_M", "Q2_K_S"])
 def test_i_quant_mixes_with_an_imatrix(smollm2_hf: Path, smol, tmp_path: Path, mix: str) -> None:
     """Mixes llama-quantize refuses without an importance matrix (lattice i-quants; Q2_K_S's Q2_K): with
@@ -106,15 +116,28 @@ def test_i_quant_mixes_with_an_imatrix(smollm2_hf: Path, smol, tmp_path: Path, m
     random model in test_writer.py."""
     from tests.formats.gguf.test_writer import blocks
 
-    g = torch.Generator().manual_seed(0)
-    with open_model(smollm2_hf) as src:
-        plan = plan_gguf(src, mix, has_imatrix=True)
-        importance = {t.gguf_name: torch.rand(t.shape[-1], generator=g) ** 3 * 5 + 0.01 for t in plan.tensors
-                      if t.gguf_name.startswith("blk.") and len(t.shape) == 2}  # fmt: skip
-        ours = write_gguf(src, tmp_path / "ours.gguf", plan, importance=importance)
+    ours, importance = write_with_random_imatrix(smollm2_hf, tmp_path / "ours.gguf", mix)
     needs = {n for n, (t, _) in blocks(ours).items() if t.startswith(("IQ2", "IQ3")) or (mix == "Q2_K_S" and t == "Q2_K")}
     assert any("ffn_down" in n for n in needs)  # the types llama-quantize will not write without an imatrix
     theirs = llama_quantize(smol("F16"), tmp_path / "theirs.gguf", mix, nthread=2,
                             imatrix={n: v.numpy() for n, v in importance.items()})  # fmt: skip
     assert_same_as_llama_cpp(ours, theirs)
     assert len(answer(ours).split()) >= 3
+
+
+@pytest.mark.parametrize("mix", ["IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ2_S", "IQ2_XS", "IQ2_M", "IQ1_S", "IQ1_M"])
+def test_the_other_i_quant_mixes_load_and_generate(smollm2_hf: Path, tmp_path: Path, mix: str) -> None:
+    """The i-quant mixes not above, written from SmolLM2 with a random imatrix: llama.cpp loads each and
+    generates (their bytes are checked against llama_model_quantize's on a random model in
+    test_writer.py; a random imatrix makes the low-bit answers noise, so only that they come is checked).
+    Each file holds its mix's own type on ffn_down (1536 wide; the 576-wide rows fall back)."""
+    from llama_cpp import Llama
+
+    from tests.formats.gguf.test_writer import blocks
+
+    ours, _ = write_with_random_imatrix(smollm2_hf, tmp_path / "ours.gguf", mix)
+    types = {t for n, (t, _) in blocks(ours).items() if "ffn_down" in n}
+    assert any(t.startswith(mix[:3]) for t in types), types
+    llm = Llama(model_path=str(ours), n_ctx=128, verbose=False, n_threads=2)
+    out = llm.create_completion("The capital of France is", max_tokens=8, temperature=0)
+    assert out["usage"]["completion_tokens"] >= 1 and out["choices"][0]["text"]

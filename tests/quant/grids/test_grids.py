@@ -109,9 +109,12 @@ def test_edge_values_match_llama_cpp(type_name: str, imatrix: str, path: str, mo
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("path", ["compiled", "torch"])
 @pytest.mark.parametrize("type_name", sorted(SLOW_REFERENCE))
-def test_iq1_bytes_match_llama_cpp(type_name: str) -> None:
-    """IQ1_S / IQ1_M on the awkward rows and on denormals, with a random, an all-zero and no imatrix."""
+def test_iq1_bytes_match_llama_cpp(type_name: str, path: str, monkeypatch) -> None:
+    """IQ1_S / IQ1_M on the awkward rows and on denormals, with a random, an all-zero and no imatrix,
+    on both paths (the numba split scan and neighbour search; the torch ones CUDA tensors take)."""
+    monkeypatch.setattr(searches, "COMPILED", path == "compiled")
     for w in (weights(), edge_weights()):
         for imatrix in ("none", "random", "zeros"):
             assert_same_bytes_as_llama_cpp(type_name, w, importance(imatrix))

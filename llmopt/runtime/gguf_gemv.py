@@ -51,8 +51,12 @@ def nibble_gemv(x: torch.Tensor, codes: torch.Tensor, high: torch.Tensor | None,
 
 
 def int8_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [in] times Q8_0's W: int8 codes [out, G, 32], float16 scales [out, G, 1]."""
-    return (codes.float() * scales.float() * x.reshape(codes.shape[1], 32)).sum((-1, -2))
+    """x [in] times Q8_0's W: int8 codes [out, G, 32], float16 scales [out, G, 1]. Each group's Σ q·x
+    first, then scaled: inductor's loop then keeps its sums in independent registers (a 3072x576
+    product from RAM, 2 threads: 80 us against 148 for Σ q·s·x over the row; the nibble and Q6_K
+    products measured slower written so)."""
+    per_group = (codes.float() * x.reshape(codes.shape[1], 32)).sum(-1)  # [out, G]
+    return (per_group * scales.float()[..., 0]).sum(-1)
 
 
 def q6_k_codes(ql: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:

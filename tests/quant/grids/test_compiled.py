@@ -79,3 +79,18 @@ def test_q3_search_equals_torch(n: int) -> None:
     x = _blocks(n)
     _assert_bits_equal(*_both(searches.make_q3_quants, x, 4))
     _assert_bits_equal(*_both(searches.make_q3_quants, x * 3.7 + 0.01, 4))
+
+
+@pytest.mark.parametrize("type_name", ["IQ1_S", "IQ1_M", "Q5_0", "Q4_1"])
+def test_iq1_and_imatrix_weighted_legacy_chunks_equal_torch(type_name: str) -> None:
+    """The IQ1 split scans and neighbour search, and the legacy types' imatrix weights, on more rows of
+    ordinary weights than the llama.cpp byte tests hold: every output field equal on both paths."""
+    from llmopt.quant.grids import GRIDS
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 1024, generator=g) * 0.02
+    imp = torch.rand(1024, generator=g) ** 3 * 5 + 0.01
+    ref, got = _both(GRIDS[type_name].chunk, w, imp)
+    assert ref.keys() == got.keys()
+    for key in ref:
+        torch.testing.assert_close(got[key], ref[key], rtol=0, atol=0)

@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tests.factories import make_tiny_hf, write_reference_gguf
 
@@ -98,7 +99,11 @@ def llmopt_here(capsys):
 
     def run(*args):
         capsys.readouterr()  # drop what fixtures printed before this call (e.g. building a tiny model)
-        code = main([str(a) for a in args])
+        threads = torch.get_num_threads()
+        try:
+            code = main([str(a) for a in args])
+        finally:  # `--threads N` sets the process's torch threads: in a test process it would outlive the call
+            torch.set_num_threads(threads)
         captured = capsys.readouterr()
         return SimpleNamespace(returncode=code, stdout=captured.out, stderr=captured.err)
 

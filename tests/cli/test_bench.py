@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.cli.test_bad_input import assert_clean_failure
 
@@ -20,9 +21,13 @@ def free_port() -> int:
 
 def test_table_json_and_plot(llmopt_here, tiny_models, tmp_path):
     model = tiny_models("llama")
+    threads = torch.get_num_threads()
     result = llmopt_here("bench", model, "--prompt-len", "8,24", "--gen", "6", "--batch", "1,3", "--threads", "1",
                          "--bandwidth", "10", "--json")  # fmt: skip
     assert result.returncode == 0, result.stderr
+    # `--threads 1` is the call's: the in-process runner gives the test process its threads back
+    # (they leaked once, and every later test ran on one thread)
+    assert torch.get_num_threads() == threads
     report = json.loads(result.stdout)
     assert report["engine"] == "llmopt" and report["bandwidth_gbs"] == 10.0 and report["bandwidth_source"] == "given"
     assert [(r["prompt_len"], r["batch"]) for r in report["rows"]] == [(8, 1), (8, 3), (24, 1), (24, 3)]

@@ -82,8 +82,8 @@ def q6_k_gemv(x: torch.Tensor, ql: torch.Tensor, qh: torch.Tensor, scales: torch
     scale = (d.float()[..., None] * scales.float()).reshape(out, blocks, 2, 2, 2, 2, 1)  # [half, pair, quarter, 16s]
     xs = x.reshape(blocks, 2, 2, 2, 2, 16)
     pairs = ((low & 15) | (high[:, :, :, :2] << 4), (low >> 4) | (high[:, :, :, 2:] << 4))
-    return sum(((q.float() - 32).reshape(out, blocks, 2, 2, 2, 16) * scale[:, :, :, p] * xs[:, :, p]).sum((-1, -2, -3, -4, -5))
-               for p, q in enumerate(pairs))  # fmt: skip
+    return sum(((q.float() - 32).reshape(out, blocks, 2, 2, 2, 16) * scale[:, :, :, p] * xs[:, :, p])
+               .sum((-1, -2, -3, -4, -5)) for p, q in enumerate(pairs))  # fmt: skip
 
 
 def compiled_products_work() -> bool:

@@ -306,11 +306,12 @@ def stacked(modules: list[nn.Module]) -> nn.Module | None:
     first = modules[0]
     if not isinstance(first, (NibbleLinear, Int8GroupLinear, Q6KLinear)):
         return None
-    if any(_layout(m) != _layout(first) for m in modules):
+    layout = _layout(first)
+    if any(_layout(m) != layout for m in modules):
         return None
     fused = type(first).__new__(type(first))
     nn.Module.__init__(fused)
-    vars(fused).update(_layout(first)[1])
+    vars(fused).update(layout[1])
     fused.out_features = sum(m.out_features for m in modules)
     made: dict[int, torch.Tensor] = {}  # by the first part's buffer: one that is another (Q4_0's b is its a) stays one
     for name, buf in first._buffers.items():

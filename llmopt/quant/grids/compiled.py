@@ -378,31 +378,32 @@ def _nearest_int_exact(v: np.float32, bits: np.ndarray) -> np.float32:
     return F32((bits.view(np.int32)[0] & 0x007FFFFF) - 0x00400000)
 
 
-@numba.njit(inline="always", **_JIT)  # called per element or group: no call overhead
-def _best_neighbour(xt: np.ndarray, wat: np.ndarray, g: int, t: int, start: int, scale: np.float32, dims: int,
-                    neighbours: np.ndarray, points: np.ndarray, coords: np.ndarray, terms: np.ndarray) -> int:  # fmt: skip
-    """lattice.Lattice.best_neighbour for group g of lane t, whose candidates are neighbours[start + 1 ...]
-    (neighbours[start] of them, Lattice.compact_map): the first with the least Σ (q·scale - x)·w·(q·scale - x)
-    in coordinate order (torch's argmin: the first NaN wins)."""
+@numba.njit(inline="always", **_JIT)  # called per group: no call overhead
+def _best_neighbour(x: np.ndarray, w: np.ndarray, values: np.ndarray, scale: np.float32, start: int,
+                    neighbours: np.ndarray, coords: np.ndarray, terms: np.ndarray) -> int:  # fmt: skip
+    """lattice.Lattice.best_neighbour for one group, x and w its `dims` values and weights, whose candidates
+    are neighbours[start + 1 ...] (neighbours[start] of them, Lattice.compact_map): the first with the least
+    Σ (q·scale - x)·w·(q·scale - x) in coordinate order, q = values[level] (torch's argmin: the first NaN
+    wins). -1 without candidates. `terms` [dims, levels] is scratch."""
     best, best_d2 = -1, F32(0.0)
-    nlevels = terms.shape[1]
-    count = neighbours[start]
+    nlevels = values.shape[0]
+    count = neighbours[start] if start >= 0 else 0
     tabled = count > nlevels  # many candidates (IQ2's): each coordinate's error once per level, then looked up
     if tabled:
-        for i in range(dims):
+        for i in range(x.shape[0]):
             for lv in range(nlevels):
-                diff = F32(2 * lv + 1) * scale - xt[g * dims + i, t]
-                terms[i, lv] = diff * wat[g * dims + i, t] * diff
+                diff = values[lv] * scale - x[i]
+                terms[i, lv] = diff * w[i] * diff
     for c in range(count):
         p = neighbours[start + 1 + c]
         d2 = F32(0.0)
         if tabled:
-            for i in range(dims):
+            for i in range(x.shape[0]):
                 d2 += terms[i, coords[p, i]]
         else:
-            for i in range(dims):
-                diff = points[p, i] * scale - xt[g * dims + i, t]
-                d2 += diff * wat[g * dims + i, t] * diff
+            for i in range(x.shape[0]):
+                diff = values[coords[p, i]] * scale - x[i]
+                d2 += diff * w[i] * diff
         if d2 != d2:
             return p
         if best < 0 or d2 < best_d2:
@@ -414,34 +415,21 @@ def _best_neighbour(xt: np.ndarray, wat: np.ndarray, g: int, t: int, start: int,
 def neighbour_points(keys: np.ndarray, x: np.ndarray, w: np.ndarray, scale: np.ndarray, values: np.ndarray,
                      kmap: np.ndarray, neighbours: np.ndarray, coords: np.ndarray, out: np.ndarray) -> None:  # fmt: skip
     """lattice.Lattice.best_neighbour for groups one by one: keys [m] (off the lattice), x/w [m, dims],
-    scale [m], values [m or 1, levels] (what level l stands for) -> the point of least
-    Σ (q·scale - x)·w·(q·scale - x) among the key's candidates, the first of equals (a NaN: the first NaN)."""
+    scale [m], values [m or 1, levels] (what level l stands for) -> each group's best neighbour."""
+    terms = np.empty((x.shape[1], values.shape[1]), F32)
     for r in range(keys.shape[0]):
         v = values[r if values.shape[0] > 1 else 0]
-        start = -kmap[keys[r]] - 1
-        best, best_d2 = -1, F32(0.0)
-        for c in range(neighbours[start] if start >= 0 else 0):
-            p = neighbours[start + 1 + c]
-            d2 = F32(0.0)
-            for i in range(x.shape[1]):
-                diff = v[coords[p, i]] * scale[r] - x[r, i]
-                d2 += diff * w[r, i] * diff
-            if d2 != d2:
-                best = p
-                break
-            if best < 0 or d2 < best_d2:
-                best, best_d2 = p, d2
-        out[r] = best
+        out[r] = _best_neighbour(x[r], w[r], v, scale[r], -kmap[keys[r]] - 1, neighbours, coords, terms)
 
 
 @numba.njit(**_JIT)
 def _lattice_round(xt: np.ndarray, wat: np.ndarray, inv: np.ndarray, scale: np.ndarray, lane_on: np.ndarray,
                    only: np.ndarray, use_only: bool, nmax: int, dims: int, nbits: int, index_of_key: np.ndarray,
-                   neighbours: np.ndarray, points: np.ndarray, coords: np.ndarray,
+                   neighbours: np.ndarray, values: np.ndarray, coords: np.ndarray,
                    levels: np.ndarray, off: np.ndarray, scratch: np.ndarray) -> None:  # fmt: skip
     """iq_lattice.LatticeGrid._round for a tile: every group's lattice point at inverse scale inv[t]
-    (an off-lattice group of a lane that is on: its best neighbour at scale[t], if searched; else
-    point 0), as levels [n, TILE], and which groups were off [groups, TILE]."""
+    (an off-lattice group of a lane that is on: its best neighbour at scale[t], if searched, level l
+    standing for values[l]; else point 0), as levels [n, TILE], and which groups were off [groups, TILE]."""
     n = xt.shape[0]
     top, zero = F32(nmax - 1), F32(0.0)
     terms = np.empty((dims, nmax), F32)  # _best_neighbour's per-level errors
@@ -465,8 +453,8 @@ def _lattice_round(xt: np.ndarray, wat: np.ndarray, inv: np.ndarray, scale: np.n
             off[g, t] = index < 0
             if index < 0:  # not a point: the best neighbour's levels, or point 0's where not searched
                 if lane_on[t] and (not use_only or only[g, t]) and neighbours[-index - 1] > 0:
-                    index = _best_neighbour(xt, wat, g, t, -index - 1, scale[t], dims, neighbours, points, coords,
-                                            terms)  # fmt: skip
+                    index = _best_neighbour(xt[g * dims:(g + 1) * dims, t], wat[g * dims:(g + 1) * dims, t], values,
+                                            scale[t], -index - 1, neighbours, coords, terms)  # fmt: skip
                 index = max(index, 0)
                 for i in range(dims):
                     levels[g * dims + i, t] = F32(coords[index, i])
@@ -488,8 +476,8 @@ def _lattice_sums(wt: np.ndarray, xt: np.ndarray, levels: np.ndarray, sumqx: np.
 @numba.njit(**_JIT)
 def lattice_search(xval: np.ndarray, weight: np.ndarray, waux: np.ndarray, base: np.ndarray, scale0: np.ndarray,
                    active: np.ndarray, numerators: np.ndarray, requant: int, nmax: int, dims: int, nbits: int,
-                   index_of_key: np.ndarray, neighbours: np.ndarray, points: np.ndarray,
-                   coords: np.ndarray, scale_out: np.ndarray, levels_out: np.ndarray) -> None:  # fmt: skip
+                   index_of_key: np.ndarray, neighbours: np.ndarray, coords: np.ndarray, scale_out: np.ndarray,
+                   levels_out: np.ndarray) -> None:  # fmt: skip
     """iq_lattice.LatticeGrid._sub_block_search's trials and re-rounding, sub-blocks by rows [S, n], on
     tiles of TILE sub-blocks: trial k's inverse scale is numerators[k]/base; the best Σwqx²/Σwq² wins;
     then groups are rounded again against the winning scale (`requant` 0: the off-lattice ones, 1: all,
@@ -503,6 +491,9 @@ def lattice_search(xval: np.ndarray, weight: np.ndarray, waux: np.ndarray, base:
     off, on_grid, regroup = np.empty((3, groups, TILE), np.bool_)
     on, better, redo = np.empty((3, TILE), np.bool_)
     scratch = np.empty(1, F32)
+    values = np.empty(nmax, F32)  # level l stands for 2l + 1 in the search
+    for lv in range(nmax):
+        values[lv] = F32(2 * lv + 1)
     for b0 in range(0, blocks, TILE):
         m = min(TILE, blocks - b0)
         _load_tile(xval, xt, b0, m)
@@ -520,7 +511,7 @@ def lattice_search(xval: np.ndarray, weight: np.ndarray, waux: np.ndarray, base:
                     inv[t] = numerators[k] / base_t[t]
                     sc[t] = F32(1.0) / inv[t]
                 _lattice_round(xt, wat, inv, sc, on, regroup, False, nmax, dims, nbits, index_of_key, neighbours,
-                               points, coords, lt, off, scratch)  # fmt: skip
+                               values, coords, lt, off, scratch)  # fmt: skip
                 _lattice_sums(wt, xt, lt, sumqx, sumq2)
                 for t in range(TILE):
                     better[t] = on[t] and sumq2[t] > zero and sumqx[t] * sumqx[t] > best[t] * sumq2[t]
@@ -542,7 +533,7 @@ def lattice_search(xval: np.ndarray, weight: np.ndarray, waux: np.ndarray, base:
                     for t in range(TILE):
                         regroup[g, t] = redo[t] and (requant != 0 or not on_grid[g, t])
                 _lattice_round(xt, wat, inv, sc, redo, regroup, True, nmax, dims, nbits, index_of_key, neighbours,
-                               points, coords, lt, off, scratch)  # fmt: skip
+                               values, coords, lt, off, scratch)  # fmt: skip
                 for g in range(groups):
                     for i in range(dims):
                         for t in range(TILE):

@@ -214,8 +214,7 @@ class LatticeGrid(GroupSearchGrid):
         rows = [t.t().contiguous().numpy() for t in (xval, weight, waux)]
         kernels.lattice_search(*rows, base.contiguous().numpy(), scale.contiguous().numpy(), active.numpy(), numerators,
                                ("off", "all", "all_if_off").index(self.requant), self.nmax, lat.dims, lat.bits,
-                               *lat.compact_map, lat.points.numpy(), lat.coords, scale_out.numpy(),
-                               levels.numpy())  # fmt: skip
+                               *lat.compact_map, lat.coords, scale_out.numpy(), levels.numpy())  # fmt: skip
         return scale_out, levels.t()
 
     def _torch_search(self, xval: torch.Tensor, weight: torch.Tensor, waux: torch.Tensor, base: torch.Tensor,

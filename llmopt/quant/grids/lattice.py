@@ -157,8 +157,8 @@ class Lattice:
         best = torch.empty(keys.shape, dtype=torch.int64)
         if (kernels := compiled_for(xval)) is not None:
             values = level_values if level_values is not None else 2 * torch.arange(self.nlevels)[None] + 1
-            kernels.neighbour_points(keys.numpy(), f32_array(xval), f32_array(waux), f32_array(scale), f32_array(values),
-                                     *self.compact_map, self.coords, best.numpy())  # fmt: skip
+            kernels.neighbour_points(keys.numpy(), f32_array(xval), f32_array(waux), f32_array(scale),
+                                     f32_array(values), *self.compact_map, self.coords, best.numpy())  # fmt: skip
             return best
         counts = self.neighbour_counts[keys]
         for lower, upper, cand, values, levels, valid in self._buckets:  # few candidates for most keys: pad per bucket

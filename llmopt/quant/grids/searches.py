@@ -121,7 +121,8 @@ def requantize_rows(x: torch.Tensor, levels: torch.Tensor, scale: torch.Tensor, 
         return torch.where(d == 0, levels, requant).to(torch.uint8)
     codes = torch.empty(x.shape, dtype=torch.uint8)
     zeros = torch.zeros(x.shape[0]) if shift is None else shift
-    _kernels().requantize(f32_array(x), f32_array(levels), f32_array(scale), f32_array(zeros), lo, hi, offset, codes.numpy())
+    _kernels().requantize(f32_array(x), f32_array(levels), f32_array(scale), f32_array(zeros), lo, hi, offset,
+                          codes.numpy())  # fmt: skip
     return codes
 
 
@@ -297,8 +298,8 @@ def make_qp_quants(x: torch.Tensor, nmax: int, weights: torch.Tensor, wrap: bool
     if _use_compiled(x):
         numerators = np.array([c_step(nmax, 0.1, step) for step in range(-4, 5) if step != 0], np.float32)
         scale, levels = torch.empty(x.shape[1]), torch.empty(x.shape[1], x.shape[0])
-        _kernels().qp_search(f32_array(x.t()), f32_array(w.t()), nmax, numerators, np.float32(GROUP_MAX_EPS), wrap, scale.numpy(),
-                             levels.numpy())  # fmt: skip
+        _kernels().qp_search(f32_array(x.t()), f32_array(w.t()), nmax, numerators, np.float32(GROUP_MAX_EPS), wrap,
+                             scale.numpy(), levels.numpy())  # fmt: skip
         return scale, levels.t()
     mx = positive_max(x, dim=0)
     zero = mx < GROUP_MAX_EPS

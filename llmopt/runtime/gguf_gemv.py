@@ -2,15 +2,16 @@
 
 A decode step multiplies each weight by one activation vector. Rebuilding float32 tiles of W and
 calling a dense product (the path every other input takes) reads and writes 4 bytes a weight; here
-`torch.compile` turns the product written over the stored fields, sum over groups g and inputs k of
+inductor turns the product written over the stored fields, sum over groups g and inputs k of
 (q[o, g, k] A[o, g] - B[o, g]) x[g, k], into one C++ loop that reads the packed bytes and never
 builds W. Measured on this project's 2-core CPU (fp32 W in RAM for comparison): Q4_0 4096x4096
 1469 us against 3988, Q4_K 11008x4096 5416 us against 10997; SmolLM2's decode from a Q4_0 file
 goes from 7.96 to 22.59 tok/s (docs/generate.md).
 
 The sums run in another order than the dequantized product's: results agree to float32 rounding
-(about 1e-7 of the largest output), not bit for bit. The output dimension is compiled as dynamic, so
-a model needs one compile per input width and type (seconds, cached on disk by inductor). Where
+(about 1e-7 of the largest output), not bit for bit. Each weight shape compiles once (seconds, cached
+on disk by inductor; a model has a handful of shapes), handed to inductor directly: through
+`torch.compile`, dynamo's guards and call path cost more than a small product's arithmetic. Where
 inductor cannot compile (no C++ compiler), the first failure is logged and every later product
 takes the tile path.
 """
@@ -23,16 +24,14 @@ from collections.abc import Callable
 import torch
 
 log = logging.getLogger(__name__)
-_BIT_INDEX = torch.arange(32, dtype=torch.int32)
-_PAIR_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)
-_compiled: dict[Callable, Callable] = {}
+_compiled: dict[tuple, Callable[..., list[torch.Tensor]]] = {}
 _failed = False
 
 
 def fifth_bits(high: torch.Tensor) -> torch.Tensor:
     """Q5's fifth bits [..., G, 32] (0 or 1, input order) from its 32-bit qh words [..., G, 1]: bit k is
     input k's. (Shifting one word compiles to a vector loop; shifting its four bytes did not: 3x slower.)"""
-    return (high >> _BIT_INDEX) & 1
+    return (high >> torch.arange(32, dtype=torch.int32, device=high.device)) & 1
 
 
 def nibble_gemv(x: torch.Tensor, codes: torch.Tensor, high: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
@@ -59,6 +58,12 @@ def int8_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> tor
     return (per_group * scales.float()[..., 0]).sum(-1)
 
 
+def _pair_shifts(qh: torch.Tensor) -> torch.Tensor:
+    """0, 2, 4, 6 as a column: the shifts of a qh byte's four bit pairs. (Made in the function, not held
+    as a module constant: the products are traced with fake tensors, _compile.)"""
+    return torch.arange(0, 8, 2, dtype=torch.uint8, device=qh.device).reshape(4, 1)
+
+
 def q6_k_codes(ql: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
     """Q6_K's six-bit codes [out, blocks, 2, 4, 32] in input order (half of the block, quarter of the
     half, input) from its low nibbles ql [out, blocks, 128] and high bit pairs qh [out, blocks, 64]: a
@@ -67,7 +72,7 @@ def q6_k_codes(ql: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
     out, blocks = ql.shape[:2]
     quarters = ql.reshape(out, blocks, 2, 2, 32)
     lo = torch.cat([quarters & 15, quarters >> 4], dim=3)
-    hi = (qh.reshape(out, blocks, 2, 1, 32) >> _PAIR_SHIFTS) & 3
+    hi = (qh.reshape(out, blocks, 2, 1, 32) >> _pair_shifts(qh)) & 3
     return lo | (hi << 4)
 
 
@@ -78,7 +83,7 @@ def q6_k_gemv(x: torch.Tensor, ql: torch.Tensor, qh: torch.Tensor, scales: torch
     codes (576x1536 from RAM, 2 threads: 75 us against 126)."""
     out, blocks = ql.shape[:2]
     low = ql.reshape(out, blocks, 2, 2, 32)  # [half, quarter of the pair, input]
-    high = (qh.reshape(out, blocks, 2, 1, 32) >> _PAIR_SHIFTS) & 3  # [half, quarter, input]
+    high = (qh.reshape(out, blocks, 2, 1, 32) >> _pair_shifts(qh)) & 3  # [half, quarter, input]
     scale = (d.float()[..., None] * scales.float()).reshape(out, blocks, 2, 2, 2, 2, 1)  # [half, pair, quarter, 16s]
     xs = x.reshape(blocks, 2, 2, 2, 2, 16)
     pairs = ((low & 15) | (high[:, :, :, :2] << 4), (low >> 4) | (high[:, :, :, 2:] << 4))
@@ -91,26 +96,45 @@ def compiled_products_work() -> bool:
     return not _failed
 
 
+def _signature(fn: Callable, args: tuple) -> tuple:
+    """What a compiled product is specialized to: the function, each tensor's shape, strides and dtype,
+    every other argument's value."""
+    return (fn, *((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in args))
+
+
+def _compile(fn: Callable[..., torch.Tensor], args: tuple) -> Callable[..., list[torch.Tensor]]:
+    """fn over these arguments' shapes, traced with fake tensors (no eager run: a 7B's products would
+    build GBs of float intermediates) and compiled by inductor, called with the tensor arguments only."""
+    import torch._inductor  # (imported on first use: it takes a second)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def over_tensors(*tensors: torch.Tensor) -> tuple[torch.Tensor]:
+        given = iter(tensors)
+        return (fn(*(next(given) if isinstance(a, torch.Tensor) else a for a in args)),)
+
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    return torch._inductor.compile(make_fx(over_tensors, tracing_mode="fake")(*tensors), tensors)
+
+
 def decode_product(fn: Callable[..., torch.Tensor], x: torch.Tensor, *fields: torch.Tensor | int | None) -> torch.Tensor | None:
-    """`fn(x, *fields)` compiled, with the output dimension (every tensor field's first) dynamic; None
-    where it cannot run compiled (the caller takes its tile path)."""
+    """`fn(x, *fields)` compiled for these shapes; None where it cannot run compiled (the caller takes
+    its tile path).
+
+    Compiled once per weight shape (a model has a handful: SmolLM2's decode step 9 for Q4_K_M) by
+    inductor directly rather than through `torch.compile`: dynamo's guards and call path cost ~18 us
+    a product (of 28 for a 16-row one), 150 products a SmolLM2 token."""
     global _failed
+    args = (x, *fields)
     if torch.compiler.is_compiling():
-        return fn(x, *fields)  # inside a compiled decode step (generate --compile): part of its graph
+        return fn(*args)  # inside a compiled decode step (generate --compile): part of its graph
     if _failed:
         return None
-    compiled = _compiled.get(fn)
-    if compiled is None:
-        from torch import _dynamo  # (imported on first use: it takes a second)
-
-        # one entry per input width and type: more than dynamo's default of 8 in a mixed-type model
-        _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)
-        compiled = _compiled[fn] = torch.compile(fn)
-    for field in fields:
-        if isinstance(field, torch.Tensor):
-            torch._dynamo.maybe_mark_dynamic(field, 0)  # (loaded by the first call)
     try:
-        return compiled(x, *fields)
+        key = _signature(fn, args)
+        compiled = _compiled.get(key)
+        if compiled is None:
+            compiled = _compiled[key] = _compile(fn, args)
+        return compiled(*(a for a in args if isinstance(a, torch.Tensor)))[0]
     except Exception as e:  # noqa: BLE001 - inductor's failures have no common type; the tile path still works
         _failed = True
         log.warning("compiled decode products unavailable (%s: %s); using the slower tile path",

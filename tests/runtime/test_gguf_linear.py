@@ -191,16 +191,16 @@ def test_a_decode_step_takes_the_compiled_product(qtype, monkeypatch):
 
 def test_without_a_compiler_the_decode_step_takes_the_tile_path(monkeypatch, caplog):
     """A compile failure is logged once and every later product is the exact tile path."""
+    import torch._inductor
+
     from llmopt.runtime import gguf_gemv
 
-    def broken(fn):
-        def run(*args):
-            raise RuntimeError("no C++ compiler found\nmore")
-        return run
+    def broken(graph, inputs):
+        raise RuntimeError("no C++ compiler found\nmore")
 
     monkeypatch.setattr(gguf_gemv, "_compiled", {})
     monkeypatch.setattr(gguf_gemv, "_failed", False)
-    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(torch._inductor, "compile", broken)
     data = _blocks(Q.Q4_0, rows=20, cols=256)
     layer = quantized_linear(Q.Q4_0, data, None)
     ref = torch.from_numpy(dequantize(data.numpy(), Q.Q4_0))

@@ -117,8 +117,24 @@ class OneDNNLinear(nn.Module):
         return cls(*stack_linears(linears))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias, "none", [], "")
+        flat = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling():  # (generate --compile) the product stays a call inside the graph
+            y = onednn_linear(flat, self.packed, self.bias, self.out_features)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+@torch.library.custom_op("llmopt::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """OneDNNLinear's product as an opaque op: inductor lowers mkldnn's own op only for weights it has
+    reordered itself and fails on ours (an internal error under `generate --compile`)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
 
 
 class TiedEmbedding(nn.Module):

@@ -96,6 +96,11 @@ def compiled_products_work() -> bool:
     return not _failed
 
 
+def _tensors(args: tuple) -> list[torch.Tensor]:
+    """The tensor arguments, in order: what a compiled product is called with."""
+    return [a for a in args if isinstance(a, torch.Tensor)]
+
+
 def _signature(fn: Callable, args: tuple) -> tuple:
     """What a compiled product is specialized to: the function, each tensor's shape, strides and dtype,
     every other argument's value."""
@@ -112,17 +117,13 @@ def _compile(fn: Callable[..., torch.Tensor], args: tuple) -> Callable[..., list
         given = iter(tensors)
         return (fn(*(next(given) if isinstance(a, torch.Tensor) else a for a in args)),)
 
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    tensors = _tensors(args)
     return torch._inductor.compile(make_fx(over_tensors, tracing_mode="fake")(*tensors), tensors)
 
 
 def decode_product(fn: Callable[..., torch.Tensor], x: torch.Tensor, *fields: torch.Tensor | int | None) -> torch.Tensor | None:
-    """`fn(x, *fields)` compiled for these shapes; None where it cannot run compiled (the caller takes
-    its tile path).
-
-    Compiled once per weight shape (a model has a handful: SmolLM2's decode step 9 for Q4_K_M) by
-    inductor directly rather than through `torch.compile`: dynamo's guards and call path cost ~18 us
-    a product (of 28 for a 16-row one), 150 products a SmolLM2 token."""
+    """`fn(x, *fields)` compiled for these shapes (once per weight shape: SmolLM2's Q4_K_M file has 8);
+    None where it cannot run compiled (the caller takes its tile path)."""
     global _failed
     args = (x, *fields)
     if torch.compiler.is_compiling():
@@ -134,7 +135,7 @@ def decode_product(fn: Callable[..., torch.Tensor], x: torch.Tensor, *fields: to
         compiled = _compiled.get(key)
         if compiled is None:
             compiled = _compiled[key] = _compile(fn, args)
-        return compiled(*(a for a in args if isinstance(a, torch.Tensor)))[0]
+        return compiled(*_tensors(args))[0]
     except Exception as e:  # noqa: BLE001 - inductor's failures have no common type; the tile path still works
         _failed = True
         log.warning("compiled decode products unavailable (%s: %s); using the slower tile path",

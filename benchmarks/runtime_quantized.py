@@ -85,14 +85,14 @@ def llama_cpp_decode(path: Path, ids: list[int], tokens: int, threads: int) -> d
     return {"tokens_per_s": round(best, 2)}
 
 
-def smollm2_table(work: Path, tokens: int, threads: int) -> dict:
+def smollm2_table(work: Path, tokens: int, threads: int, mixes: list[str]) -> dict:
     from llmopt.model.embedded import smollm2_gguf
 
     base = smollm2_gguf()
     with open_model(base) as src:
         ids = src.tokenizer().encode(PROMPT)
     out = {}
-    for mix in MIXES:
+    for mix in mixes:
         path = write_mix(base, mix, work / f"smollm2-{mix}.gguf")
         row = {"file_mib": round(path.stat().st_size / 2**20, 1)}
         row["quantized_fp32"] = llmopt_decode(path, "float32", True, ids, tokens)
@@ -187,6 +187,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=32)
+    ap.add_argument("--mixes", default=",".join(MIXES), help="the types SmolLM2 is written as (any llmopt mix)")
     ap.add_argument("--skip-smollm2", action="store_true")
     ap.add_argument("--skip-7b", action="store_true")
     ap.add_argument("--seven-b-types", default="Q4_0,Q4_K_M", help="the types the 7B-shaped model is written as")
@@ -201,7 +202,7 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         results: dict = {"threads": args.threads, "tokens": args.tokens}
         if not args.skip_smollm2:
-            results["smollm2"] = smollm2_table(work, args.tokens, args.threads)
+            results["smollm2"] = smollm2_table(work, args.tokens, args.threads, args.mixes.split(","))
             print(f"{'SmolLM2 file':<10}{'MiB':>7}  {'decode tok/s (weights held, MiB)':<70}")
             for mix, row in results["smollm2"].items():
                 cells = "  ".join(f"{k}={row[k]['tokens_per_s']}" + (f" ({row[k]['held_mib']} MiB)" if "held_mib" in row[k] else "")

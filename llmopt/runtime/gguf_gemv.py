@@ -59,8 +59,8 @@ def int8_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> tor
 
 
 def _pair_shifts(qh: torch.Tensor) -> torch.Tensor:
-    """0, 2, 4, 6 as a column: the shifts of a qh byte's four bit pairs. (Made in the function, not held
-    as a module constant: the products are traced with fake tensors, _compile.)"""
+    """0, 2, 4, 6 as a column: the shifts of a byte's four bit pairs (Q6_K's qh, Q2_K/Q3_K's codes). (Made
+    in the function, not held as a module constant: the products are traced with fake tensors, _compile.)"""
     return torch.arange(0, 8, 2, dtype=torch.uint8, device=qh.device).reshape(4, 1)
 
 
@@ -89,6 +89,49 @@ def q6_k_gemv(x: torch.Tensor, ql: torch.Tensor, qh: torch.Tensor, scales: torch
     pairs = ((low & 15) | (high[:, :, :, :2] << 4), (low >> 4) | (high[:, :, :, 2:] << 4))
     return sum(((q.float() - 32).reshape(out, blocks, 2, 2, 2, 16) * scale[:, :, :, p] * xs[:, :, p])
                .sum((-1, -2, -3, -4, -5)) for p, q in enumerate(pairs))  # fmt: skip
+
+
+def k_low_codes(qs: torch.Tensor, hmask: torch.Tensor | None) -> torch.Tensor:
+    """Q2_K's codes (0..3) or Q3_K's (-4..3) [out, blocks, 16, 16] in input order (16 groups of 16) from
+    the two-bit codes qs [out, blocks, 64] and Q3_K's high bits hmask [out, blocks, 32]: input
+    128 h + 32 s + l sits in bits 2s of qs byte 32 h + l and bit 4 h + s of hmask byte l; Q3_K's code is
+    low - 4 where that bit is 0 (ggml's dequantize_row_q3_K)."""
+    out, blocks = qs.shape[:2]
+    q = (qs.reshape(out, blocks, 2, 1, 32) >> _pair_shifts(qs)) & 3  # [half, shift, input]
+    if hmask is not None:
+        bits = torch.arange(8, dtype=torch.uint8, device=qs.device).reshape(2, 4, 1)
+        high = (hmask.reshape(out, blocks, 1, 1, 32) >> bits) & 1
+        q = (q | (high << 2)).to(torch.int8) - 4
+    return q.reshape(out, blocks, 16, 16)
+
+
+def k_low_gemv(x: torch.Tensor, qs: torch.Tensor, hmask: torch.Tensor | None, d: torch.Tensor, scales: torch.Tensor,
+               dmin: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """x [in] times Q2_K's W = d (sc & 15) q - dmin (sc >> 4), or Q3_K's W = d sc q (scales int8, already
+    less 32; dmin None), per 16 inputs (layout: k_low_codes). One sum per (half, shift), each shifting by
+    a constant, rather than the codes k_low_codes builds with broadcast shifts: 4096x4096 from RAM,
+    2 threads, Q3_K 2.4 ms against 42, Q2_K 1.5 against 13 (benchmarks/decode_products.py)."""
+    out, blocks = qs.shape[:2]
+    codes = qs.reshape(out, blocks, 2, 2, 16)  # [half, byte l // 16, l % 16]
+    high = None if hmask is None else hmask.reshape(out, blocks, 2, 16)
+    xs = x.reshape(blocks, 2, 4, 2, 16)  # [half, shift, l // 16, l % 16]
+    sc = scales.float() if dmin is None else (scales & 15).float()
+    scale = (sc * d.float()[..., None]).reshape(out, blocks, 2, 4, 2, 1)
+    y = 0
+    for h in range(2):
+        for s in range(4):
+            q = ((codes[:, :, h] >> (2 * s)) & 3).float()
+            if high is not None:
+                q = q + 4 * ((high >> (4 * h + s)) & 1).float() - 4
+            y = y + (q * scale[:, :, h, s] * xs[:, h, s]).sum((-1, -2, -3))
+    if dmin is not None:
+        y = y - ((scales >> 4).float() * dmin.float()[..., None] * x.reshape(blocks, 16, 16).sum(-1)).sum((-1, -2))
+    return y
+
+
+def f16_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [in] times a float16 W [out, in], converted to float32 as it is read."""
+    return (weight.float() * x).sum(-1)
 
 
 def compiled_products_work() -> bool:

@@ -6,17 +6,20 @@ Each 2-D weight of a quantized (or F16) type takes one of these paths:
   codes with one scale and one offset per 32 inputs: Q4_0 W = (q - 8) d, Q4_1 W = d q + m, Q4_K
   W = (d sc) q - dmin m. The kernel holds its scale/offset pairs in bfloat16, which rounds d (float16,
   11-bit mantissa) and d sc (up to 17 bits) to 8 bits: close, not exact (see docs/generate.md).
-* the same types and Q5_0/Q5_1, otherwise -> `NibbleLinear`: the nibbles (and fifth bits) and the
+* the same types and Q5_0/Q5_1/Q5_K, otherwise -> `NibbleLinear`: the nibbles (and fifth bits) and the
   blocks' own scale fields, W rebuilt one tile of rows at a time with gguf's arithmetic (exact).
 * Q8_0 -> `Int8GroupLinear`: int8 codes and float16 scales, rebuilt per tile (exact).
 * Q6_K -> `Q6KLinear`: the block's fields apart, rebuilt per tile (exact).
+* Q2_K, Q3_K -> `KLowLinear`: two-bit codes (+ Q3_K's third bits) and the scale fields (exact).
+* F16 -> `F16Linear`: the float16 weight, widened per tile (exact).
 * every other type -> `RawGGUFLinear`: the file's block bytes, dequantized by `model/dequantize.py`
   (the reader's one definition) one tile of rows at a time inside forward (exact, slow).
 
-A batch-1 decode step's input to NibbleLinear, Int8GroupLinear and Q6KLinear (any float dtype) takes a compiled product
-over the stored fields instead (gguf_gemv.py: 2-3x faster, equal to float32 rounding). Embeddings
-keep the block bytes and dequantize only the looked-up rows. Peak memory is the quantized weights
-plus one tile of float rows (TILE_BYTES).
+A batch-1 decode step's input to the float paths but RawGGUFLinear (any float dtype) takes a compiled
+product over the stored fields instead (gguf_gemv.py; equal to float32 rounding; per type and shape against
+a float32 weight: benchmarks/decode_products.py, docs/generate.md). Embeddings keep the block bytes and
+dequantize only the looked-up rows. Peak memory is the quantized weights plus one tile of float rows
+(TILE_BYTES).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from torch.nn import functional as F
 from llmopt.model.dequantize import dequantize
 from llmopt.model.ggml_types import GGML_TYPES_BY_ID, GGMLQuantType
 from llmopt.model.gguf_file import GGUFSource
-from llmopt.runtime.gguf_gemv import decode_product, fifth_bits, int8_gemv, nibble_gemv, q6_k_codes, q6_k_gemv
+from llmopt.runtime.gguf_gemv import (decode_product, f16_gemv, fifth_bits, int8_gemv, k_low_codes, k_low_gemv,
+                                      nibble_gemv, q6_k_codes, q6_k_gemv)
 from llmopt.runtime.int4 import KERNEL_DTYPE, PackedInt4Linear, kernel_shape_ok
 
 Q = GGMLQuantType
@@ -73,16 +77,27 @@ def _k4_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, m
 
 
-def _k4_fields(data: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Q4_K block bytes [out, bytes per row] -> nibble codes [out, in] in input order, d and dmin
-    [out, in / 256] (float16) and the six-bit sub-block scales and mins [out, in / 32]."""
+def _k_fields(data: torch.Tensor, size: int = 144, qs_at: int = 16) -> tuple[torch.Tensor, ...]:
+    """Q4_K (or Q5_K: size 176, nibbles at 48) block bytes [out, bytes per row] -> low-nibble codes
+    [out, in] in input order, d and dmin [out, in / 256] (float16) and the six-bit sub-block scales and
+    mins [out, in / 32]."""
     out = data.shape[0]
-    b = data.reshape(-1, 144)
+    b = data.reshape(-1, size)
     sc, m = _k4_scales_mins(b[:, 4:16])
-    lo, hi = _nibbles(b[:, 16:].reshape(-1, 4, 32))  # 64 values per 32 bytes: low nibbles first
+    lo, hi = _nibbles(b[:, qs_at:qs_at + 128].reshape(-1, 4, 32))  # 64 values per 32 bytes: low nibbles first
     codes = torch.stack([lo, hi], dim=2).reshape(out, -1)
     d, dmin = (b[:, at:at + 2].contiguous().view(torch.float16).reshape(out, -1) for at in (0, 2))
     return codes, d, dmin, sc.reshape(out, -1), m.reshape(out, -1)
+
+
+def _k5_high_words(data: torch.Tensor) -> torch.Tensor:
+    """Q5_K's fifth bits as NibbleLinear's int32 words [out, in / 32, 1] (bit k: input k of the group).
+    The block's 32 qh bytes hold sub-block s's bit for input l as bit s of byte l (ggml's u1/u2 masks)."""
+    out = data.shape[0]
+    qh = data.reshape(-1, 176)[:, 16:48].numpy()  # [blocks, 32]
+    bits = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [blocks, sub-block, input]
+    words = np.packbits(bits, axis=-1, bitorder="little").view("<u4").astype(np.int32)
+    return torch.from_numpy(words).reshape(out, -1, 1)
 
 
 def int4_parts(qtype: GGMLQuantType, data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -90,7 +105,7 @@ def int4_parts(qtype: GGMLQuantType, data: torch.Tensor) -> tuple[torch.Tensor, 
     offsets [out, in / 32] with W = (codes - 8) * scale + offset (the int4 kernel's form)."""
     out = data.shape[0]
     if qtype == Q.Q4_K:
-        codes, d, dmin, sc, m = _k4_fields(data)
+        codes, d, dmin, sc, m = _k_fields(data)
         scales = d.float().repeat_interleave(8, dim=1) * sc
         offsets = 8 * scales - dmin.float().repeat_interleave(8, dim=1) * m
     else:
@@ -125,31 +140,61 @@ def tiled_linear(x: torch.Tensor, out_features: int, in_features: int, rows_of: 
     return with_bias(y, bias)
 
 
+class FieldLinear(nn.Module):
+    """A weight held as its GGUF type's fields. `rows` rebuilds float32 rows with gguf's arithmetic
+    (prefill's tiles, a tied embedding's lookup); a decode step's one input row takes the class's
+    `gemv` over `fields()`, compiled (gguf_gemv.py), or the tiles where it cannot compile."""
+
+    gemv: Callable[..., torch.Tensor]
+    bias: nn.Parameter | None
+    out_features: int
+    in_features: int
+
+    def fields(self) -> tuple:
+        """The arguments `gemv` takes after x."""
+        raise NotImplementedError
+
+    def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
+        """Float32 rows of W (a slice, or row numbers: a tied embedding's lookup), bit for bit gguf's."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if one_row(x):
+            y = decode_product(self.gemv, x.reshape(-1).float(), *self.fields())
+            if y is not None:
+                return with_bias(y, self.bias, like=x)
+        return tiled_linear(x, self.out_features, self.in_features, self.rows, self.bias)
+
+
 # legacy 32-blocks whose codes are nibbles (+ a fifth bit in `qh`): bytes per block, offset of
 # `qh` (None: 4-bit), of the nibbles, whether a float16 `m` follows `d`, and the code offset of
 # the symmetric types (W = d (q - offset))
 LEGACY_NIBBLES = {Q.Q4_0: (18, None, 2, False, 8), Q.Q4_1: (20, None, 4, True, 0),
                   Q.Q5_0: (22, 2, 6, False, 16), Q.Q5_1: (24, 4, 8, True, 0)}
-NIBBLE_TYPES = (*LEGACY_NIBBLES, Q.Q4_K)
+NIBBLE_TYPES = (*LEGACY_NIBBLES, Q.Q4_K, Q.Q5_K)
 
 
-class NibbleLinear(nn.Module):
-    """Q4_0/Q4_1/Q5_0/Q5_1/Q4_K: W = q * (a * a_mult) - b * b_mult per 32 inputs, with q's low four
+class NibbleLinear(FieldLinear):
+    """Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K: W = q * (a * a_mult) - b * b_mult per 32 inputs, with q's low four
     bits two a byte (inputs k and k + 16 of a group) and, for Q5, the fifth bits as the file's
     little-endian `qh` read into a native int32 per group (gguf_gemv.fifth_bits); float16 a and b per `per` groups, and small integer multipliers: Q4_0/Q5_0
     a = d, b = d * offset and Q4_1/Q5_1 a = d, b = -m with one multiplier for all groups (a uint8 per
-    group would add 11% to a Q4_0 model); Q4_K a = d * sc, b = dmin * m with the six-bit sc and m per
-    group. The products and the difference are gguf's own, so the float32 weights are the reference
+    group would add 11% to a Q4_0 model); Q4_K/Q5_K a = d * sc, b = dmin * m with the six-bit sc and m per
+    group (Q5_K's fifth bits regrouped into Q5_0's words at load: _k5_high_words). The products and the
+    difference are gguf's own, so the float32 weights are the reference
     dequantizer's."""
+
+    gemv = staticmethod(nibble_gemv)
 
     def __init__(self, qtype: GGMLQuantType, data: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         out = data.shape[0]
         high = None
-        if qtype == Q.Q4_K:
-            codes, a, b, a_mult, b_mult = _k4_fields(data)
+        if qtype in (Q.Q4_K, Q.Q5_K):
+            codes, a, b, a_mult, b_mult = _k_fields(data) if qtype == Q.Q4_K else _k_fields(data, 176, 48)
             q = codes.reshape(out, -1, 2, 16)
             nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).to(torch.uint8)
+            high = _k5_high_words(data) if qtype == Q.Q5_K else None
         else:
             size, qh, qs, has_m, offset = LEGACY_NIBBLES[qtype]
             blocks = data.reshape(-1, size)
@@ -174,7 +219,6 @@ class NibbleLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
-        """Float32 rows of W (a slice, or row numbers: a tied embedding's lookup)."""
         p = self.codes[index]
         q = torch.cat([p & 0xF, p >> 4], dim=-1)  # [r, G, 32]
         if self.high is not None:
@@ -188,17 +232,14 @@ class NibbleLinear(nn.Module):
     def _mult(m: torch.Tensor | int, index: slice | torch.Tensor) -> torch.Tensor | int:
         return m[index] if torch.is_tensor(m) else m
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if one_row(x):
-            y = decode_product(nibble_gemv, x.reshape(-1).float(), self.codes, self.high, self.a, self.b, self.a_mult,
-                               self.b_mult, self.per)  # fmt: skip
-            if y is not None:
-                return with_bias(y, self.bias, like=x)
-        return tiled_linear(x, self.out_features, self.in_features, self.rows, self.bias)
+    def fields(self) -> tuple:
+        return (self.codes, self.high, self.a, self.b, self.a_mult, self.b_mult, self.per)
 
 
-class Int8GroupLinear(nn.Module):
+class Int8GroupLinear(FieldLinear):
     """Q8_0: int8 codes [out, in] and a float16 scale per 32 inputs; W = q * d, exact in float32."""
+
+    gemv = staticmethod(int8_gemv)
 
     def __init__(self, data: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -213,17 +254,15 @@ class Int8GroupLinear(nn.Module):
         codes = self.codes[index]
         return codes.float().mul_(self.scales[index].float()).reshape(codes.shape[0], -1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if one_row(x):
-            y = decode_product(int8_gemv, x.reshape(-1).float(), self.codes, self.scales)
-            if y is not None:
-                return with_bias(y, self.bias, like=x)
-        return tiled_linear(x, self.out_features, self.in_features, self.rows, self.bias)
+    def fields(self) -> tuple:
+        return (self.codes, self.scales)
 
 
-class Q6KLinear(nn.Module):
+class Q6KLinear(FieldLinear):
     """Q6_K: the block's fields apart (low nibbles, high bit pairs, int8 sub-block scales, float16 d),
     W = d sc (q - 32) rebuilt per tile with gguf's float32 products (exact), or the compiled product."""
+
+    gemv = staticmethod(q6_k_gemv)
 
     def __init__(self, data: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -242,12 +281,78 @@ class Q6KLinear(nn.Module):
         scale = self.d[index].float()[..., None] * self.scales[index].float()  # [n, blocks, 16]
         return (scale[..., None] * q.reshape(n, blocks, 16, 16)).reshape(n, -1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if one_row(x):
-            y = decode_product(q6_k_gemv, x.reshape(-1).float(), self.ql, self.qh, self.scales, self.d)
-            if y is not None:
-                return with_bias(y, self.bias, like=x)
-        return tiled_linear(x, self.out_features, self.in_features, self.rows, self.bias)
+    def fields(self) -> tuple:
+        return (self.ql, self.qh, self.scales, self.d)
+
+
+def _q3_k_scales(packed: torch.Tensor) -> torch.Tensor:
+    """Q3_K's 12 bytes [n, 12] -> its 16 six-bit scales less 32, int8 [n, 16]: scale i's low four bits are
+    byte i's low nibble (i < 8) or byte i - 8's high one, its top two bits bits 2 (i // 4) of byte 8 + i % 4."""
+    low = torch.cat([packed[:, :8] & 15, packed[:, :8] >> 4], dim=1)
+    top = (packed[:, 8:12].repeat(1, 4) >> torch.arange(0, 8, 2, dtype=torch.uint8).repeat_interleave(4)) & 3
+    return ((low | (top << 4)).to(torch.int8) - 32).to(torch.int8)
+
+
+class KLowLinear(FieldLinear):
+    """Q2_K and Q3_K: two-bit codes (qs) and Q3_K's third bits (hmask) as the file holds them, a float16
+    d per 256 inputs, and a scale per 16: Q2_K's scale/min byte (W = d (sc & 15) q - dmin (sc >> 4)) or
+    Q3_K's six-bit scale unpacked to int8 (W = d (sc - 32) q, q in -4..3). Rows rebuilt with gguf's
+    float32 products (exact), or the compiled product."""
+
+    gemv = staticmethod(k_low_gemv)
+
+    def __init__(self, qtype: GGMLQuantType, data: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        out = data.shape[0]
+        if qtype == Q.Q2_K:  # scales[16], qs[64], d, dmin
+            b = data.reshape(out, -1, 84)
+            qs, hmask, scales = b[..., 16:80], None, b[..., :16]
+            d, dmin = b[..., 80:82], b[..., 82:84]
+        else:  # Q3_K: hmask[32], qs[64], scales[12], d
+            b = data.reshape(out, -1, 110)
+            qs, hmask, scales = b[..., 32:96], b[..., :32], _q3_k_scales(b[..., 96:108].reshape(-1, 12))
+            d, dmin = b[..., 108:110], None
+        blocks = b.shape[1]
+        self.register_buffer("qs", qs.contiguous())
+        self.register_buffer("hmask", None if hmask is None else hmask.contiguous())
+        self.register_buffer("scales", scales.reshape(out, blocks, 16).contiguous())
+        self.register_buffer("d", d.contiguous().view(torch.float16).reshape(out, blocks))
+        dmin = None if dmin is None else dmin.contiguous().view(torch.float16).reshape(out, blocks)
+        self.register_buffer("dmin", dmin)
+        self.out_features, self.in_features = out, blocks * 256
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
+        hmask = None if self.hmask is None else self.hmask[index]
+        q = k_low_codes(self.qs[index], hmask).float()
+        scales, d = self.scales[index], self.d[index].float()[..., None]
+        if self.dmin is None:
+            w = (d * scales.float())[..., None] * q
+        else:
+            mins = self.dmin[index].float()[..., None] * (scales >> 4).float()
+            w = (d * (scales & 15).float())[..., None] * q - mins[..., None]
+        return w.reshape(q.shape[0], -1)
+
+    def fields(self) -> tuple:
+        return (self.qs, self.hmask, self.d, self.scales, self.dmin)
+
+
+class F16Linear(FieldLinear):
+    """F16: the float16 weight as stored, widened to float32 per tile, or read by the compiled product."""
+
+    gemv = staticmethod(f16_gemv)
+
+    def __init__(self, data: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight", data.contiguous().view(torch.float16))
+        self.out_features, self.in_features = self.weight.shape
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
+        return self.weight[index].float()
+
+    def fields(self) -> tuple:
+        return (self.weight,)
 
 
 class RawGGUFLinear(nn.Module):
@@ -304,7 +409,7 @@ def stacked(modules: list[nn.Module]) -> nn.Module | None:
     their rows one after another, where all have the same class and layout (a Q4_K q with a Q6_K v:
     None). A decode step then makes one product where it made three: SmolLM2 calls 120, not 210."""
     first = modules[0]
-    if not isinstance(first, (NibbleLinear, Int8GroupLinear, Q6KLinear)):
+    if not isinstance(first, FieldLinear):
         return None
     layout = _layout(first)
     if any(_layout(m) != layout for m in modules):
@@ -336,6 +441,10 @@ def quantized_linear(qtype: GGMLQuantType, data: torch.Tensor, bias: torch.Tenso
         return Int8GroupLinear(data, bias)
     if qtype == Q.Q6_K:
         return Q6KLinear(data, bias)
+    if qtype in (Q.Q2_K, Q.Q3_K):
+        return KLowLinear(qtype, data, bias)
+    if qtype == Q.F16:
+        return F16Linear(data, bias)
     return RawGGUFLinear(qtype, data, bias)
 
 

@@ -19,11 +19,11 @@ import numpy as np
 import torch
 
 from llmopt.formats.gguf.blocks import pack
-from llmopt.model.ggml_types import GGMLQuantType
+from llmopt.model.ggml_types import GGML_TYPES_BY_ID, GGMLQuantType
 from llmopt.quant.grids import quantize
 from llmopt.runtime.gguf_linear import quantized_linear
 
-TYPES = ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "F16")
+TYPES = ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "F16", "IQ4_NL", "IQ4_XS")
 SHAPES = ((3072, 576), (576, 1536), (4096, 4096), (11008, 4096), (4096, 11008))  # SmolLM2's stacked gate/up, its down; 7B's
 CACHE_BYTES = 64 << 20  # more than the L3 of the machines this ran on (32 MiB)
 
@@ -52,8 +52,8 @@ def per_call_us(layers: list, x: torch.Tensor, seconds: float = 1.0) -> float:
 
 
 def measure(qtype: str, rows: int, cols: int) -> dict | None:
-    if qtype not in ("Q4_0", "Q5_0", "Q8_0", "F16") and cols % 256:
-        return None  # K types need 256-wide rows
+    if cols % GGML_TYPES_BY_ID[GGMLQuantType[qtype]].block:
+        return None  # rows not a whole number of blocks (K types: 256)
     data = block_rows(qtype, rows, cols)
     copies = max(2, -(-CACHE_BYTES // data.numel()))
     layers = [quantized_linear(GGMLQuantType[qtype], data.clone(), None) for _ in range(copies)]

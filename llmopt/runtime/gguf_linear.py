@@ -12,6 +12,7 @@ Each 2-D weight of a quantized (or F16) type takes one of these paths:
 * Q6_K -> `Q6KLinear`: the block's fields apart, rebuilt per tile (exact).
 * Q2_K, Q3_K -> `KLowLinear`: two-bit codes (+ Q3_K's third bits) and the scale fields (exact).
 * F16 -> `F16Linear`: the float16 weight, widened per tile (exact).
+* IQ4_NL, IQ4_XS -> `IQ4Linear`: the 4-bit indices and the scale fields, levels looked up (exact).
 * every other type -> `RawGGUFLinear`: the file's block bytes, dequantized by `model/dequantize.py`
   (the reader's one definition) one tile of rows at a time inside forward (exact, slow).
 
@@ -34,8 +35,9 @@ from torch.nn import functional as F
 from llmopt.model.dequantize import dequantize
 from llmopt.model.ggml_types import GGML_TYPES_BY_ID, GGMLQuantType
 from llmopt.model.gguf_file import GGUFSource
-from llmopt.runtime.gguf_gemv import (decode_product, f16_gemv, fifth_bits, int8_gemv, k_low_codes, k_low_gemv,
-                                      nibble_gemv, q6_k_codes, q6_k_gemv)
+from llmopt.quant.grids.codebooks import IQ4_VALUES
+from llmopt.runtime.gguf_gemv import (decode_product, f16_gemv, fifth_bits, int8_gemv, iq4_gemv, k_low_codes,
+                                      k_low_gemv, nibble_gemv, q6_k_codes, q6_k_gemv)
 from llmopt.runtime.int4 import KERNEL_DTYPE, PackedInt4Linear, kernel_shape_ok
 
 Q = GGMLQuantType
@@ -337,6 +339,44 @@ class KLowLinear(FieldLinear):
         return (self.qs, self.hmask, self.d, self.scales, self.dmin)
 
 
+class IQ4Linear(FieldLinear):
+    """IQ4_NL and IQ4_XS: 4-bit indices into llama.cpp's 16 levels v (codebooks.IQ4_VALUES), two a byte as
+    Q4_0's nibbles; W = v[q] d per 32 inputs (IQ4_NL), or v[q] (d (ls - 32)) with d per 256 and a six-bit
+    ls per 32 (IQ4_XS; ls unpacked to int8 at load: 137 bytes a block for 136)."""
+
+    gemv = staticmethod(iq4_gemv)
+
+    def __init__(self, qtype: GGMLQuantType, data: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        out = data.shape[0]
+        if qtype == Q.IQ4_NL:  # d, qs[16]
+            b = data.reshape(out, -1, 18)
+            codes, self.a_mult = b[..., 2:], 1
+        else:  # IQ4_XS: d, scales_h (16 bits), scales_l[4], qs[128]
+            b = data.reshape(out, -1, 136)
+            codes = b[..., 8:].reshape(out, -1, 16)
+            low = b[..., 4:8].repeat_interleave(2, dim=-1) >> torch.tensor([0, 4], dtype=torch.uint8).repeat(4)
+            high = b[..., 2:4].contiguous().view(torch.int16).to(torch.int32)  # bits 2i, 2i + 1: sub-block i's
+            high = high >> torch.arange(0, 16, 2, dtype=torch.int32)
+            ls = (low & 15).to(torch.int32) | ((high & 3) << 4)  # [out, blocks, 8]
+            self.register_buffer("a_mult", (ls - 32).to(torch.int8).reshape(out, -1).contiguous())
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("a", b[..., :2].contiguous().view(torch.float16).reshape(out, -1))
+        self.per = codes.shape[1] // self.a.shape[1]
+        self.out_features, self.in_features = out, codes.shape[1] * 32
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def fields(self) -> tuple:
+        return (self.codes, self.a, self.a_mult, self.per)
+
+    def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
+        p = self.codes[index]
+        q = torch.cat([p & 0xF, p >> 4], dim=-1).long()  # [r, G, 32]
+        a = self.a[index].float().repeat_interleave(self.per, dim=1)
+        scale = a * self.a_mult[index].float() if torch.is_tensor(self.a_mult) else a
+        return (scale[..., None] * torch.tensor(IQ4_VALUES, dtype=torch.float32)[q]).reshape(p.shape[0], -1)
+
+
 class F16Linear(FieldLinear):
     """F16: the float16 weight as stored, widened to float32 per tile, or read by the compiled product."""
 
@@ -445,6 +485,8 @@ def quantized_linear(qtype: GGMLQuantType, data: torch.Tensor, bias: torch.Tenso
         return KLowLinear(qtype, data, bias)
     if qtype == Q.F16:
         return F16Linear(data, bias)
+    if qtype in (Q.IQ4_NL, Q.IQ4_XS):
+        return IQ4Linear(qtype, data, bias)
     return RawGGUFLinear(qtype, data, bias)
 
 

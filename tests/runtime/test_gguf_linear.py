@@ -15,7 +15,7 @@ from llmopt.formats.gguf.blocks import pack
 from llmopt.formats.gguf.writer import plan_gguf, write_gguf
 from llmopt.model import open_model
 from llmopt.quant.grids import quantize
-from llmopt.runtime.gguf_linear import (F16Linear, Int8GroupLinear, KLowLinear, NibbleLinear, Q6KLinear,
+from llmopt.runtime.gguf_linear import (F16Linear, Int8GroupLinear, IQ4Linear, KLowLinear, NibbleLinear, Q6KLinear,
                                         RawGGUFEmbedding, RawGGUFLinear, TiedQuantizedEmbedding, int4_parts,
                                         quantized_linear, stacked)
 from llmopt.runtime.int4 import PackedInt4Linear
@@ -23,7 +23,8 @@ from llmopt.runtime.weights import load_model
 from tests.formats.gguf.models import make_wide_hf
 
 Q = GGMLQuantizationType
-QUANTIZED = (Int8GroupLinear, NibbleLinear, Q6KLinear, KLowLinear, F16Linear, RawGGUFLinear, PackedInt4Linear)
+QUANTIZED = (Int8GroupLinear, NibbleLinear, Q6KLinear, KLowLinear, F16Linear, IQ4Linear, RawGGUFLinear,
+             PackedInt4Linear)
 
 
 def _blocks(qtype: GGMLQuantizationType, rows: int = 32, cols: int = 512, seed: int = 0) -> torch.Tensor:
@@ -48,7 +49,7 @@ def test_int4_parts_are_the_reference_dequantization(qtype):
                                            (Q.Q4_K, NibbleLinear), (Q.Q5_0, NibbleLinear),
                                            (Q.Q5_1, NibbleLinear), (Q.Q5_K, NibbleLinear), (Q.Q6_K, Q6KLinear),
                                            (Q.Q2_K, KLowLinear), (Q.Q3_K, KLowLinear), (Q.F16, F16Linear),
-                                           (Q.IQ4_XS, RawGGUFLinear)])
+                                           (Q.IQ4_NL, IQ4Linear), (Q.IQ4_XS, IQ4Linear), (Q.TQ2_0, RawGGUFLinear)])
 def test_float32_linears_equal_the_dequantized_linear_exactly(qtype, cls, monkeypatch):
     import llmopt.runtime.gguf_linear as gl
 
@@ -170,7 +171,7 @@ def test_by_default_a_gguf_stays_quantized_only_when_dequantized_it_would_not_fi
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K,
-                                   Q.F16])
+                                   Q.F16, Q.IQ4_NL, Q.IQ4_XS])
 def test_a_decode_step_takes_the_compiled_product(qtype, monkeypatch):
     """One input row: the compiled product over the stored fields (gguf_gemv.py), equal to the
     dequantized product up to float32 summation order; with a bias, and with a leading batch shape."""
@@ -193,6 +194,15 @@ def test_a_decode_step_takes_the_compiled_product(qtype, monkeypatch):
     assert half.dtype == torch.bfloat16 and len(calls) == 2
     torch.testing.assert_close(half.float(), torch.nn.functional.linear(x.bfloat16().float(), ref, bias),
                                rtol=1e-2, atol=1e-2 * float(expected.abs().max()))  # fmt: skip
+
+
+def test_iq4_levels_by_arithmetic_are_the_table():
+    """The compiled IQ4 product computes llama.cpp's 16 levels with a rounded polynomial (no lookup)."""
+    from llmopt.quant.grids.codebooks import IQ4_VALUES
+    from llmopt.runtime.gguf_gemv import iq4_levels
+
+    codes = torch.arange(16, dtype=torch.uint8)
+    assert torch.equal(iq4_levels(codes), torch.tensor(IQ4_VALUES, dtype=torch.float32))
 
 
 def test_without_a_compiler_the_decode_step_takes_the_tile_path(monkeypatch, caplog):
@@ -218,7 +228,8 @@ def test_without_a_compiler_the_decode_step_takes_the_tile_path(monkeypatch, cap
     assert sum("no C++ compiler found" in r.getMessage() for r in caplog.records) == 1
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.F16])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.F16, Q.IQ4_NL,
+                                   Q.IQ4_XS])
 def test_linears_reading_one_input_stack_into_one_module(qtype):
     """q/k/v (or gate/up) of one layout become one module: its rows and products are the parts', stacked;
     parts of different layouts stay apart."""

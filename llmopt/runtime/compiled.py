@@ -29,7 +29,7 @@ class StaticDecodeStep(nn.Module):
         super().__init__()
         self.model = model
         self.cache = cache  # a submodule: its K/V buffers have fixed addresses
-        cos, sin = model.rotary.stepwise(cache.max_len, cache.k.dtype)  # row p: a decode step at p
+        cos, sin = model.rotary.stepwise(cache.max_len, cache.layer(0)[0].dtype)  # row p: a decode step at p
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
@@ -78,7 +78,7 @@ class CompiledDecoder:
     def decode(self, token: int, pos: int) -> torch.Tensor:
         """Logits after `token` at position `pos`, written into the cache."""
         assert self.step is not None and self.cache is not None
-        device = self.cache.k.device
+        device = self.cache.layer(0)[0].device
         x = self.model.embed(torch.tensor([[token]], device=device))
         logits = self.step(x, torch.tensor([pos], device=device))
         self.cache.length = pos + 1

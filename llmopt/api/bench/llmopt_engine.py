@@ -1,7 +1,7 @@
 """llmopt's runtime as a benchmark engine: B prompts of one length, decoded greedily in lockstep.
 
-The batch shares one `StaticKVCache` of shape [layers, B, kv_heads, P + gen, head_dim] (the cache
-already has a batch axis) and one `Decoder` forward per step, so each step streams the weights
+The batch shares one `StaticKVCache`, [B, kv_heads, P + gen, head_dim] per layer (the cache
+already has a batch axis), and one `Decoder` forward per step, so each step streams the weights
 once for all B sequences: batch B buys up to B tokens for the bytes batch 1 reads for one. Prefill
 runs the B prompts together in chunks, as `Generator.prefill` does for one. Greedy, EOS ignored:
 every sequence gets exactly `gen` tokens, the same tokens batch 1 gives each prompt (tested).

@@ -3,7 +3,8 @@
 (a) SmolLM2-135M written by llmopt as Q4_0, Q4_K_M and Q8_0: decode tokens/s of the runtime with the
     weights quantized in memory (float32: exact paths; bfloat16: Q4 types on torch's int4 kernel), with
     them dequantized to float32 (the old path), and llama.cpp (llama-cpp-python) on the same file, same
-    threads; plus the bytes each llmopt model holds.
+    threads; plus the bytes each llmopt model holds. `--mixes` picks the files; `--compile` adds the
+    float32 runs with the compiled decode step (`generate --compile`).
 (b) A Llama-2-7B-shaped model (hidden 4096, 32 layers, ffn 11008, vocab 32000) of random float16 weights,
     written by llmopt's GGUF writer as Q4_0 and Q4_K_M straight from a source that makes each tensor when the
     writer asks (no 13 GB float16 copy on disk), then loaded and run for --tokens tokens in a fresh
@@ -57,13 +58,13 @@ def held_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def llmopt_decode(path: Path, dtype: str, packed: bool, ids: list[int], tokens: int) -> dict:
+def llmopt_decode(path: Path, dtype: str, packed: bool, ids: list[int], tokens: int, compile: bool = False) -> dict:
     from llmopt.runtime.generate import Generator
     from llmopt.runtime.weights import load_model
 
     loaded = load_model(str(path), dtype, "cpu", packed=packed, gguf_quantized=packed)
-    gen = Generator(loaded.model, loaded.tokenizer)
-    gen.generate(ids, 4, ignore_eos=True)  # warm-up
+    gen = Generator(loaded.model, loaded.tokenizer, compile=compile)
+    gen.generate(ids, 4, ignore_eos=True)  # warm-up (and, compiled, the compile)
     m = gen.generate(ids, tokens, ignore_eos=True).metrics
     return {"tokens_per_s": round(m.tokens_per_s, 2), "held_mib": round(held_bytes(loaded.model) / 2**20, 1)}
 
@@ -85,7 +86,7 @@ def llama_cpp_decode(path: Path, ids: list[int], tokens: int, threads: int) -> d
     return {"tokens_per_s": round(best, 2)}
 
 
-def smollm2_table(work: Path, tokens: int, threads: int, mixes: list[str]) -> dict:
+def smollm2_table(work: Path, tokens: int, threads: int, mixes: list[str], compile: bool = False) -> dict:
     from llmopt.model.embedded import smollm2_gguf
 
     base = smollm2_gguf()
@@ -98,6 +99,9 @@ def smollm2_table(work: Path, tokens: int, threads: int, mixes: list[str]) -> di
         row["quantized_fp32"] = llmopt_decode(path, "float32", True, ids, tokens)
         row["quantized_bf16"] = llmopt_decode(path, "bfloat16", True, ids, tokens)
         row["dequantized_fp32"] = llmopt_decode(path, "float32", False, ids, tokens)
+        if compile:  # generate --compile: the fixed-shape step compiled by inductor
+            row["quantized_fp32_compiled"] = llmopt_decode(path, "float32", True, ids, tokens, compile=True)
+            row["dequantized_fp32_compiled"] = llmopt_decode(path, "float32", False, ids, tokens, compile=True)
         try:
             row["llama_cpp"] = llama_cpp_decode(path, ids, tokens, threads)
         except ImportError:
@@ -188,6 +192,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=32)
     ap.add_argument("--mixes", default=",".join(MIXES), help="the types SmolLM2 is written as (any llmopt mix)")
+    ap.add_argument("--compile", action="store_true", help="SmolLM2 also with the compiled decode step (float32)")
     ap.add_argument("--skip-smollm2", action="store_true")
     ap.add_argument("--skip-7b", action="store_true")
     ap.add_argument("--seven-b-types", default="Q4_0,Q4_K_M", help="the types the 7B-shaped model is written as")
@@ -202,11 +207,13 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         results: dict = {"threads": args.threads, "tokens": args.tokens}
         if not args.skip_smollm2:
-            results["smollm2"] = smollm2_table(work, args.tokens, args.threads, args.mixes.split(","))
+            results["smollm2"] = smollm2_table(work, args.tokens, args.threads, args.mixes.split(","), args.compile)
             print(f"{'SmolLM2 file':<10}{'MiB':>7}  {'decode tok/s (weights held, MiB)':<70}")
             for mix, row in results["smollm2"].items():
                 cells = "  ".join(f"{k}={row[k]['tokens_per_s']}" + (f" ({row[k]['held_mib']} MiB)" if "held_mib" in row[k] else "")
-                                  for k in ("quantized_fp32", "quantized_bf16", "dequantized_fp32", "llama_cpp"))
+                                  for k in ("quantized_fp32", "quantized_bf16", "dequantized_fp32",
+                                            "quantized_fp32_compiled", "dequantized_fp32_compiled", "llama_cpp")
+                                  if k in row)
                 print(f"{mix:<10}{row['file_mib']:>7}  {cells}")
         for mix in [] if args.skip_7b else args.seven_b_types.split(","):
             results[f"llama7b_shape_{mix.lower()}"] = r = seven_b(work, args, mix)

@@ -41,6 +41,7 @@ from llmopt.runtime.gguf_gemv import (decode_product, f16_gemv, fifth_bits, int8
 from llmopt.runtime.int4 import KERNEL_DTYPE, PackedInt4Linear, kernel_shape_ok
 
 Q = GGMLQuantType
+IQ4_LEVELS = torch.tensor(IQ4_VALUES, dtype=torch.float32)  # IQ4Linear's tiles look the levels up
 # Float weights rebuilt per tile of rows, about this many bytes: small enough to stay in cache while the
 # product reads it. SmolLM2's LM head (49152 x 576, Q8_0, 1 thread, loaded machine): 377 ms a token
 # rebuilt whole, 30 ms in 512-row tiles, 19 ms as a float32 weight.
@@ -142,6 +143,18 @@ def tiled_linear(x: torch.Tensor, out_features: int, in_features: int, rows_of: 
     return with_bias(y, bias)
 
 
+def group_codes(packed: torch.Tensor) -> torch.Tensor:
+    """Nibble bytes [r, G, 16] (inputs k and k + 16 of a group in one byte, Q4_0's layout) -> the
+    4-bit codes [r, G, 32] in input order."""
+    return torch.cat([packed & 0xF, packed >> 4], dim=-1)
+
+
+def group_scales(field: torch.Tensor, mult: torch.Tensor | int, index: slice | torch.Tensor, per: int) -> torch.Tensor:
+    """Float32 scale of each group of 32 in rows `index`: a float16 field held per `per` groups, times its
+    integer multiplier (per group, or one for all)."""
+    return field[index].float().repeat_interleave(per, dim=1) * (mult[index] if torch.is_tensor(mult) else mult)
+
+
 class FieldLinear(nn.Module):
     """A weight held as its GGUF type's fields. `rows` rebuilds float32 rows with gguf's arithmetic
     (prefill's tiles, a tied embedding's lookup); a decode step's one input row takes the class's
@@ -222,17 +235,13 @@ class NibbleLinear(FieldLinear):
 
     def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
         p = self.codes[index]
-        q = torch.cat([p & 0xF, p >> 4], dim=-1)  # [r, G, 32]
+        q = group_codes(p)
         if self.high is not None:
             q = q | (fifth_bits(self.high[index]).to(torch.uint8) << 4)
         q = q.float()
-        a = self.a[index].float().repeat_interleave(self.per, dim=1) * self._mult(self.a_mult, index)
-        b = self.b[index].float().repeat_interleave(self.per, dim=1) * self._mult(self.b_mult, index)
+        a = group_scales(self.a, self.a_mult, index, self.per)
+        b = group_scales(self.b, self.b_mult, index, self.per)
         return q.mul_(a[..., None]).sub_(b[..., None]).reshape(p.shape[0], -1)  # in place: ~5x faster than q * a - b
-
-    @staticmethod
-    def _mult(m: torch.Tensor | int, index: slice | torch.Tensor) -> torch.Tensor | int:
-        return m[index] if torch.is_tensor(m) else m
 
     def fields(self) -> tuple:
         return (self.codes, self.high, self.a, self.b, self.a_mult, self.b_mult, self.per)
@@ -292,7 +301,7 @@ def _q3_k_scales(packed: torch.Tensor) -> torch.Tensor:
     byte i's low nibble (i < 8) or byte i - 8's high one, its top two bits bits 2 (i // 4) of byte 8 + i % 4."""
     low = torch.cat([packed[:, :8] & 15, packed[:, :8] >> 4], dim=1)
     top = (packed[:, 8:12].repeat(1, 4) >> torch.arange(0, 8, 2, dtype=torch.uint8).repeat_interleave(4)) & 3
-    return ((low | (top << 4)).to(torch.int8) - 32).to(torch.int8)
+    return (low | (top << 4)).to(torch.int8) - 32
 
 
 class KLowLinear(FieldLinear):
@@ -371,10 +380,8 @@ class IQ4Linear(FieldLinear):
 
     def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
         p = self.codes[index]
-        q = torch.cat([p & 0xF, p >> 4], dim=-1).long()  # [r, G, 32]
-        a = self.a[index].float().repeat_interleave(self.per, dim=1)
-        scale = a * self.a_mult[index].float() if torch.is_tensor(self.a_mult) else a
-        return (scale[..., None] * torch.tensor(IQ4_VALUES, dtype=torch.float32)[q]).reshape(p.shape[0], -1)
+        scale = group_scales(self.a, self.a_mult, index, self.per)
+        return (scale[..., None] * IQ4_LEVELS[group_codes(p).long()]).reshape(p.shape[0], -1)
 
 
 class F16Linear(FieldLinear):

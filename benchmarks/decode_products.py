@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 
 import numpy as np
@@ -68,16 +69,24 @@ def measure(qtype: str, rows: int, cols: int) -> dict | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--types", default=",".join(TYPES))
-    ap.add_argument("--shapes", default=",".join(f"{r}x{c}" for r, c in SHAPES))
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--types", default=",".join(TYPES), help="GGUF types, comma-separated (default: every one)")
+    ap.add_argument("--shapes", default=",".join(f"{r}x{c}" for r, c in SHAPES),
+                    help="weight shapes ROWSxCOLS, comma-separated")
+    ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
+    types, shapes = args.types.split(","), args.shapes.split(",")
+    bad = [t for t in types if t not in TYPES]
+    if bad:
+        ap.error(f"type {bad[0]!r} is not one this benchmark times; have {', '.join(TYPES)}")
+    bad = [s for s in shapes if not re.fullmatch(r"[1-9]\d*x[1-9]\d*", s)]
+    if bad:
+        ap.error(f"shape {bad[0]!r} is not ROWSxCOLS (e.g. 4096x4096)")
     torch.set_num_threads(args.threads)
     rows = []
     print(f"{'type':<6}{'W':>12}  {'module':<16}{'quantized µs':>13}{'GB/s':>7}{'fp32 µs':>10}")
-    for qtype in args.types.split(","):
-        for shape in args.shapes.split(","):
+    for qtype in types:
+        for shape in shapes:
             r = measure(qtype, *map(int, shape.split("x")))
             if r:
                 rows.append(r)

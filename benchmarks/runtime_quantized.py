@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from proc_status import status_kib  # noqa: E402
 
+from llmopt.formats.gguf.mixes import MIXES as GGUF_MIXES  # noqa: E402
 from llmopt.formats.gguf.writer import plan_gguf, write_gguf  # noqa: E402
 from llmopt.model import open_model  # noqa: E402
 from llmopt.model.arch import ArchSpec  # noqa: E402
@@ -199,6 +200,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--child-7b", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    unknown = [m for m in args.mixes.split(",") + args.seven_b_types.split(",") if m not in GGUF_MIXES]
+    if unknown:
+        ap.error(f"unknown mix {unknown[0]!r}; have {', '.join(GGUF_MIXES)}")
     if args.child_7b:
         return run_7b_child(args.child_7b, args.tokens, args.threads)
     torch.set_num_threads(args.threads)

@@ -4,9 +4,11 @@ A decode step multiplies each weight by one activation vector. Rebuilding float3
 calling a dense product (the path every other input takes) reads and writes 4 bytes a weight; here
 inductor turns the product written over the stored fields, sum over groups g and inputs k of
 (q[o, g, k] A[o, g] - B[o, g]) x[g, k], into one C++ loop that reads the packed bytes and never
-builds W. Measured on this project's 2-core CPU (fp32 W in RAM for comparison): Q4_0 4096x4096
-1469 us against 3988, Q4_K 11008x4096 5416 us against 10997; SmolLM2's decode from a Q4_0 file
-goes from 7.96 to 22.59 tok/s (docs/generate.md).
+builds W. The fields hold LANES rows side by side in their last axis (gguf_linear.interleave), so the
+loop keeps one float32 vector of partial sums across those rows and adds each group's Σ q x into it,
+scaled, with no horizontal sum; each function's shapes name that axis L and the blocks of rows B.
+Measured on this project's 2-core CPU, from RAM, per type and shape: benchmarks/decode_products.py and
+docs/generate.md.
 
 The sums run in another order than the dequantized product's: results agree to float32 rounding
 (about 1e-7 of the largest output), not bit for bit. Each weight shape compiles once (seconds, cached
@@ -31,34 +33,47 @@ _compiled: dict[tuple, Callable[..., list[torch.Tensor]]] = {}
 _failed = False
 
 
-def fifth_bits(high: torch.Tensor) -> torch.Tensor:
-    """Q5's fifth bits [..., G, 32] (0 or 1, input order) from its 32-bit qh words [..., G, 1]: bit k is
-    input k's. (Shifting one word compiles to a vector loop; shifting its four bytes did not: 3x slower.)"""
-    return (high >> torch.arange(32, dtype=torch.int32, device=high.device)) & 1
+def fifth_bits(high: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Q5's fifth bits (0 or 1, input order) from its 32-bit qh words, one per group, held in a size-1 axis
+    `dim` of `high`; the bits take that axis: bit k is input k's. (Shifting one word compiles to a vector
+    loop; shifting its four bytes did not: 3x slower.)"""
+    shape = [1] * high.dim()
+    shape[dim] = 32
+    return (high >> torch.arange(32, dtype=torch.int32, device=high.device).reshape(shape)) & 1
+
+
+def _inputs(x: torch.Tensor, *shape: int) -> torch.Tensor:
+    """The input vector as `shape` (its grouping), with a trailing axis that broadcasts over the lanes."""
+    return x.reshape(*shape, 1)
+
+
+def _lanes(y: torch.Tensor) -> torch.Tensor:
+    """[blocks, lanes] outputs -> the output vector, row order (padding rows included)."""
+    return y.reshape(-1)
 
 
 def nibble_gemv(x: torch.Tensor, codes: torch.Tensor, high: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
                 a_mult: torch.Tensor | int, b_mult: torch.Tensor | int, per: int) -> torch.Tensor:  # fmt: skip
-    """x [in] times NibbleLinear's W: codes [out, G, 16] (inputs k and k + 16 of a group in one byte),
-    Q5's 32-bit qh words `high` [out, G, 1] (fifth_bits), a/b [out, G / per] and their multipliers
-    (see NibbleLinear)."""
-    xg = x.reshape(codes.shape[1], 32)
+    """x [in] times NibbleLinear's W: codes [B, G, 16, L] (inputs k and k + 16 of a group in one byte),
+    Q5's 32-bit qh words `high` [B, G, 1, L] (fifth_bits), a/b [B, G / per, L] and their multipliers
+    (see NibbleLinear). Each group's Σ q x first, then scaled, and the offsets times each group's Σ x."""
+    groups = codes.shape[1]
+    xg = _inputs(x, groups, 2, 16)
     lo, hi = (codes & 15).float(), (codes >> 4).float()
     if high is not None:
-        fifth = fifth_bits(high).float() * 16  # [out, G, 32]
-        lo, hi = lo + fifth[..., :16], hi + fifth[..., 16:]
-    scale = (a.float().repeat_interleave(per, 1) * a_mult)[..., None]
-    offset = (b.float().repeat_interleave(per, 1) * b_mult)[..., None]
-    return ((lo * scale - offset) * xg[:, :16] + (hi * scale - offset) * xg[:, 16:]).sum((-1, -2))
+        fifth = fifth_bits(high, dim=-2).float() * 16  # [B, G, 32, L]
+        lo, hi = lo + fifth[:, :, :16], hi + fifth[:, :, 16:]
+    inner = (lo * xg[:, 0] + hi * xg[:, 1]).sum(2)  # [B, G, L]
+    scale = a.float().repeat_interleave(per, 1) * a_mult
+    offset = b.float().repeat_interleave(per, 1) * b_mult
+    return _lanes((inner * scale - offset * xg.sum((1, 2))).sum(1))
 
 
 def int8_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [in] times Q8_0's W: int8 codes [out, G, 32], float16 scales [out, G, 1]. Each group's Σ q·x
-    first, then scaled: inductor's loop then keeps its sums in independent registers (a 3072x576
-    product from RAM, 2 threads: 80 us against 148 for Σ q·s·x over the row; the nibble and Q6_K
-    products measured slower written so)."""
-    per_group = (codes.float() * x.reshape(codes.shape[1], 32)).sum(-1)  # [out, G]
-    return (per_group * scales.float()[..., 0]).sum(-1)
+    """x [in] times Q8_0's W: int8 codes [B, G, 32, L], float16 scales [B, G, 1, L]. Each group's Σ q·x
+    first, then scaled."""
+    inner = (codes.float() * _inputs(x, codes.shape[1], 32)).sum(2, keepdim=True)  # [B, G, 1, L]
+    return _lanes((inner * scales.float()).sum((1, 2)))
 
 
 def _pair_shifts(qh: torch.Tensor) -> torch.Tensor:
@@ -80,18 +95,19 @@ def q6_k_codes(ql: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
 
 
 def q6_k_gemv(x: torch.Tensor, ql: torch.Tensor, qh: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """x [in] times Q6_K's W = d sc (q - 32): scales int8 [out, blocks, 16] per 16 inputs, d float16 [out, blocks].
-    Two sums, quarters 0-1 (the ql bytes' low nibbles) and 2-3 (high nibbles), rather than one over the
-    codes q6_k_codes concatenates: inductor then reads each ql byte into both without building the
-    codes (576x1536 from RAM, 2 threads: 75 us against 126)."""
-    out, blocks = ql.shape[:2]
-    low = ql.reshape(out, blocks, 2, 2, 32)  # [half, quarter of the pair, input]
-    high = (qh.reshape(out, blocks, 2, 1, 32) >> _pair_shifts(qh)) & 3  # [half, quarter, input]
-    scale = (d.float()[..., None] * scales.float()).reshape(out, blocks, 2, 2, 2, 2, 1)  # [half, pair, quarter, 16s]
-    xs = x.reshape(blocks, 2, 2, 2, 2, 16)
+    """x [in] times Q6_K's W = d sc (q - 32): ql [B, blocks, 128, L], qh [B, blocks, 64, L] (layout:
+    q6_k_codes), int8 scales [B, blocks, 16, L] per 16 inputs, float16 d [B, blocks, L]. Two sums,
+    quarters 0-1 (the ql bytes' low nibbles) and 2-3 (high nibbles), rather than one over the codes
+    q6_k_codes concatenates: inductor then reads each ql byte into both without building the codes."""
+    n, blocks, _, lanes = ql.shape
+    low = ql.reshape(n, blocks, 2, 2, 32, lanes)  # [half, quarter of the pair, input]
+    high = (qh.reshape(n, blocks, 2, 1, 32, lanes) >> _pair_shifts(qh)[..., None]) & 3  # [half, quarter, input]
+    scale = (d.float()[:, :, None] * scales.float()).reshape(n, blocks, 2, 2, 2, 2, lanes)  # [half, pair, quarter, 16s]
+    xs = _inputs(x, blocks, 2, 2, 2, 2, 16)
+    sums = xs.sum(-2)  # [blocks, half, pair, quarter, 16s, 1]
     pairs = ((low & 15) | (high[:, :, :, :2] << 4), (low >> 4) | (high[:, :, :, 2:] << 4))
-    return sum(((q.float() - 32).reshape(out, blocks, 2, 2, 2, 16) * scale[:, :, :, p] * xs[:, :, p])
-               .sum((-1, -2, -3, -4, -5)) for p, q in enumerate(pairs))  # fmt: skip
+    return _lanes(sum(((q.float().reshape(n, blocks, 2, 2, 2, 16, lanes) * xs[:, :, p]).sum(-2) - 32 * sums[:, :, p])
+                      .mul(scale[:, :, :, p]).sum((1, 2, 3, 4)) for p, q in enumerate(pairs)))  # fmt: skip
 
 
 def k_low_codes(qs: torch.Tensor, hmask: torch.Tensor | None) -> torch.Tensor:
@@ -111,25 +127,27 @@ def k_low_codes(qs: torch.Tensor, hmask: torch.Tensor | None) -> torch.Tensor:
 def k_low_gemv(x: torch.Tensor, qs: torch.Tensor, hmask: torch.Tensor | None, d: torch.Tensor, scales: torch.Tensor,
                dmin: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     """x [in] times Q2_K's W = d (sc & 15) q - dmin (sc >> 4), or Q3_K's W = d sc q (scales int8, already
-    less 32; dmin None), per 16 inputs (layout: k_low_codes). One sum per (half, shift), each shifting by
-    a constant, rather than the codes k_low_codes builds with broadcast shifts: 4096x4096 from RAM,
-    2 threads, Q3_K 2.4 ms against 42, Q2_K 1.5 against 13 (benchmarks/decode_products.py)."""
-    out, blocks = qs.shape[:2]
-    codes = qs.reshape(out, blocks, 2, 2, 16)  # [half, byte l // 16, l % 16]
-    high = None if hmask is None else hmask.reshape(out, blocks, 2, 16)
-    xs = x.reshape(blocks, 2, 4, 2, 16)  # [half, shift, l // 16, l % 16]
+    less 32; dmin None), per 16 inputs: qs [B, blocks, 64, L], hmask [B, blocks, 32, L] (layout:
+    k_low_codes), d and dmin [B, blocks, L], scales [B, blocks, 16, L]. One sum per (half, shift), each
+    shifting by a constant, rather than the codes k_low_codes builds with broadcast shifts (4096x4096
+    from RAM, 2 threads: Q3_K 2.4 ms against 42, Q2_K 1.5 against 13)."""
+    n, blocks, _, lanes = qs.shape
+    codes = qs.reshape(n, blocks, 2, 2, 16, lanes)  # [half, byte l // 16, l % 16]
+    high = None if hmask is None else hmask.reshape(n, blocks, 2, 16, lanes)
+    xs = _inputs(x, blocks, 2, 4, 2, 16)  # [half, shift, l // 16, l % 16]
     sc = scales.float() if dmin is None else (scales & 15).float()
-    scale = (sc * d.float()[..., None]).reshape(out, blocks, 2, 4, 2, 1)
+    scale = (sc * d.float()[:, :, None]).reshape(n, blocks, 2, 4, 2, lanes)
     y = 0
     for h in range(2):
         for s in range(4):
             q = ((codes[:, :, h] >> (2 * s)) & 3).float()
             if high is not None:
                 q = q + 4 * ((high >> (4 * h + s)) & 1).float() - 4
-            y = y + (q * scale[:, :, h, s] * xs[:, h, s]).sum((-1, -2, -3))
+            y = y + ((q * xs[:, h, s]).sum(-2) * scale[:, :, h, s]).sum((1, 2))
     if dmin is not None:
-        y = y - ((scales >> 4).float() * dmin.float()[..., None] * x.reshape(blocks, 16, 16).sum(-1)).sum((-1, -2))
-    return y
+        mins = (scales >> 4).float() * dmin.float()[:, :, None]  # [B, blocks, 16, L]
+        y = y - (mins * _inputs(x, blocks, 16, 16).sum(-2)).sum((1, 2))
+    return _lanes(y)
 
 
 def _level_polynomial(levels: tuple[int, ...], degree: int = 4) -> tuple[float, ...]:
@@ -157,17 +175,16 @@ def iq4_levels(codes: torch.Tensor) -> torch.Tensor:
 
 def iq4_gemv(x: torch.Tensor, codes: torch.Tensor, a: torch.Tensor, a_mult: torch.Tensor | int,
              per: int) -> torch.Tensor:  # fmt: skip
-    """x [in] times IQ4_NL/IQ4_XS's W = v[q] a a_mult per 32 inputs: codes [out, G, 16] as Q4_0's nibbles,
-    v llama.cpp's 16 levels (iq4_levels), a float16 [out, G / per]."""
-    xg = x.reshape(codes.shape[1], 32)
-    lo, hi = iq4_levels(codes & 15), iq4_levels(codes >> 4)
-    per_group = (lo * xg[:, :16] + hi * xg[:, 16:]).sum(-1)  # [out, G]
-    return (per_group * (a.float().repeat_interleave(per, 1) * a_mult)).sum(-1)
+    """x [in] times IQ4_NL/IQ4_XS's W = v[q] a a_mult per 32 inputs: codes [B, G, 16, L] as Q4_0's nibbles,
+    v llama.cpp's 16 levels (iq4_levels), a float16 [B, G / per, L]."""
+    xg = _inputs(x, codes.shape[1], 2, 16)
+    inner = (iq4_levels(codes & 15) * xg[:, 0] + iq4_levels(codes >> 4) * xg[:, 1]).sum(2)  # [B, G, L]
+    return _lanes((inner * (a.float().repeat_interleave(per, 1) * a_mult)).sum(1))
 
 
 def f16_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [in] times a float16 W [out, in], converted to float32 as it is read."""
-    return (weight.float() * x).sum(-1)
+    """x [in] times a float16 W [B, in, L], converted to float32 as it is read."""
+    return _lanes((weight.float() * _inputs(x, weight.shape[1])).sum(1))
 
 
 def compiled_products_work() -> bool:

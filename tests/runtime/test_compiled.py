@@ -42,3 +42,23 @@ def test_compiled_generation_equals_eager(tiny_models):
     for prompt in ([5, 17, 99, 3, 250, 41], [7, 8]):
         assert compiled.generate(prompt, 10).token_ids == eager.generate(prompt, 10).token_ids
     assert compiled.compiled.cache.max_len == 256
+
+
+def test_each_compiled_step_keeps_its_own_graphs(tiny_models):
+    """Two models of the same shapes, one with a sliding window: each compiled step gives its own eager
+    tokens, called in turn. (The CPU step skips dynamo's guards on modules, so a graph traced from one
+    module must never serve the other: each step compiles its own copy of the code.)"""
+    models = []
+    for window in (None, 3):
+        with open_model(tiny_models("mistral")) as src:
+            model = Decoder.from_source(src)
+        model.arch = dataclasses.replace(model.arch, sliding_window=window)
+        for layer in model.layers:
+            layer.self_attn.window = window
+        models.append(model)
+    prompt = [5, 17, 99, 3, 250, 41, 7, 8]
+    eager = [Generator(m, None, eos=set()).generate(prompt, 6).token_ids for m in models]
+    assert eager[0] != eager[1]  # the window changes the tokens: sharing a graph would show
+    compiled = [Generator(m, None, eos=set(), compile=True) for m in models]
+    for _ in range(2):
+        assert [g.generate(prompt, 6).token_ids for g in compiled] == eager

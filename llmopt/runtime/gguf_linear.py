@@ -48,7 +48,7 @@ IQ4_LEVELS = torch.tensor(IQ4_VALUES, dtype=torch.float32)  # IQ4Linear's tiles 
 TILE_BYTES = 1 << 20
 # Rows a FieldLinear holds side by side (`interleave`): its compiled decode product then sums each
 # group down the rows' lanes, one float32 vector of 16 (AVX-512) or two (AVX2) per step, with no
-# horizontal sums. Q4_0 3072x576 from RAM, 2 threads: 109 us against 170 row by row (docs/generate.md).
+# horizontal sums. Q4_0 3072x576 from RAM, 2 threads: 155 us against 192 row by row (docs/generate.md).
 LANES = 16
 INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 DENSE_TYPES = (Q.F32, Q.BF16)  # loaded as ordinary float weights

@@ -153,10 +153,11 @@ def group_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([packed & 0xF, packed >> 4], dim=-1)
 
 
-def group_scales(field: torch.Tensor, mult: torch.Tensor | int, per: int) -> torch.Tensor:
-    """Float32 scale of each group of 32 of some rows: their float16 field [n, G / per], held per `per`
-    groups, times its integer multiplier (per group [n, G], or one for all)."""
-    return field.float().repeat_interleave(per, dim=1) * mult
+def group_scales(field: torch.Tensor, mult: torch.Tensor | int, index: slice | torch.Tensor, per: int) -> torch.Tensor:
+    """Float32 scale of each group of 32 in rows `index`: an interleaved float16 field held per `per` groups,
+    times its integer multiplier (an interleaved field per group, or one for all)."""
+    mult = lane_rows(mult, index) if torch.is_tensor(mult) else mult
+    return lane_rows(field, index).float().repeat_interleave(per, dim=1) * mult
 
 
 def interleave(rows: torch.Tensor) -> torch.Tensor:
@@ -270,8 +271,8 @@ class NibbleLinear(FieldLinear):
         if self.high is not None:
             q = q | (fifth_bits(lane_rows(self.high, index)).to(torch.uint8) << 4)
         q = q.float()
-        a, b = (group_scales(lane_rows(f, index), lane_rows(m, index) if torch.is_tensor(m) else m, self.per)
-                for f, m in ((self.a, self.a_mult), (self.b, self.b_mult)))
+        a = group_scales(self.a, self.a_mult, index, self.per)
+        b = group_scales(self.b, self.b_mult, index, self.per)
         return q.mul_(a[..., None]).sub_(b[..., None]).reshape(p.shape[0], -1)  # in place: ~5x faster than q * a - b
 
     def fields(self) -> tuple:
@@ -410,8 +411,7 @@ class IQ4Linear(FieldLinear):
 
     def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
         p = lane_rows(self.codes, index)
-        mult = lane_rows(self.a_mult, index) if torch.is_tensor(self.a_mult) else self.a_mult
-        scale = group_scales(lane_rows(self.a, index), mult, self.per)
+        scale = group_scales(self.a, self.a_mult, index, self.per)
         return (scale[..., None] * IQ4_LEVELS[group_codes(p).long()]).reshape(p.shape[0], -1)
 
 

@@ -217,23 +217,25 @@ def _compile(fn: Callable[..., torch.Tensor], args: tuple) -> Callable[..., list
     return torch._inductor.compile(make_fx(over_tensors, tracing_mode="fake")(*tensors), tensors)
 
 
-def decode_product(fn: Callable[..., torch.Tensor], x: torch.Tensor, *fields: torch.Tensor | int | None) -> torch.Tensor | None:
-    """`fn(x, *fields)` compiled for these shapes (once per weight shape: SmolLM2's Q4_K_M file has 8);
-    None where it cannot run compiled (the caller takes its tile path)."""
+def bind_product(fn: Callable[..., torch.Tensor], x: torch.Tensor,
+                 fields: tuple) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """`x -> fn(x, *fields)` compiled for these shapes (once per weight shape: SmolLM2's Q4_K_M file has 8),
+    bound to these fields, so a decode step's call pays for no lookup; None where it cannot run compiled
+    (the caller takes its tile path). Run once here, so a failure at the first call falls back too."""
     global _failed
-    args = (x, *fields)
-    if torch.compiler.is_compiling():
-        return fn(*args)  # inside a compiled decode step (generate --compile): part of its graph
     if _failed:
         return None
+    args = (x, *fields)
+    tensors = _tensors(fields)
     try:
         key = _signature(fn, args)
         compiled = _compiled.get(key)
         if compiled is None:
             compiled = _compiled[key] = _compile(fn, args)
-        return compiled(*_tensors(args))[0]
+        compiled(x, *tensors)
     except Exception as e:  # noqa: BLE001 - inductor's failures have no common type; the tile path still works
         _failed = True
         log.warning("compiled decode products unavailable (%s: %s); using the slower tile path",
                     type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
         return None
+    return lambda x: compiled(x, *tensors)[0]

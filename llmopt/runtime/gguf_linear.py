@@ -36,7 +36,7 @@ from llmopt.model.dequantize import dequantize
 from llmopt.model.ggml_types import GGML_TYPES_BY_ID, GGMLQuantType
 from llmopt.model.gguf_file import GGUFSource
 from llmopt.quant.grids.codebooks import IQ4_VALUES
-from llmopt.runtime.gguf_gemv import (decode_product, f16_gemv, fifth_bits, int8_gemv, iq4_gemv, k_low_codes,
+from llmopt.runtime.gguf_gemv import (bind_product, f16_gemv, fifth_bits, int8_gemv, iq4_gemv, k_low_codes,
                                       k_low_gemv, nibble_gemv, q6_k_codes, q6_k_gemv)
 from llmopt.runtime.int4 import KERNEL_DTYPE, PackedInt4Linear, kernel_shape_ok
 
@@ -132,7 +132,8 @@ def one_row(x: torch.Tensor) -> bool:
 def with_bias(y: torch.Tensor, bias: torch.Tensor | None, like: torch.Tensor | None = None) -> torch.Tensor:
     """y (+ bias); a compiled product's float32 y [in] reshaped to `like`'s rows and dtype."""
     if like is not None:
-        y = y.reshape(*like.shape[:-1], -1).to(like.dtype)
+        y = y.view(*like.shape[:-1], -1)
+        y = y if y.dtype == like.dtype else y.to(like.dtype)
     return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -186,6 +187,7 @@ class FieldLinear(nn.Module):
     the tiles where it cannot compile."""
 
     gemv: Callable[..., torch.Tensor]
+    _bound: tuple[tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]] | None = None  # (buffer ids, product)
     bias: nn.Parameter | None
     out_features: int
     in_features: int
@@ -202,11 +204,25 @@ class FieldLinear(nn.Module):
         """Float32 rows of W (a slice, or row numbers: a tied embedding's lookup), bit for bit gguf's."""
         raise NotImplementedError
 
+    def product(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [in] (float32) times W, padding rows included: the compiled gemv, bound to this module's fields
+        on the first call and bound again if they were replaced (`.to()`, arena.pack_contiguously); None
+        where it cannot compile. Inside a compiled decode step, the gemv itself: part of the step's graph."""
+        if torch.compiler.is_compiling():
+            return self.gemv(x, *self.fields())
+        held = tuple(map(id, self._buffers.values()))  # (the bound product holds them: no id is reused)
+        if self._bound is None or self._bound[0] != held:
+            product = bind_product(self.gemv, x, self.fields())
+            if product is None:
+                return None
+            self._bound = (held, product)
+        return self._bound[1](x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if one_row(x):
-            y = decode_product(self.gemv, x.reshape(-1).float(), *self.fields())
+            y = self.product(x.reshape(-1).float().contiguous())
             if y is not None:
-                return with_bias(y[:self.out_features], self.bias, like=x)
+                return with_bias(y[:self.out_features] if len(y) > self.out_features else y, self.bias, like=x)
         return tiled_linear(x, self.out_features, self.in_features, self.rows, self.bias)
 
 

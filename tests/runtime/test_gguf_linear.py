@@ -183,15 +183,16 @@ def test_a_decode_step_takes_the_compiled_product(qtype, monkeypatch):
     layer = quantized_linear(qtype, data, bias)
     ref = torch.from_numpy(dequantize(data.numpy(), qtype))
     x = torch.randn(1, 1, 512)
-    calls, real = [], gl.decode_product
-    monkeypatch.setattr(gl, "decode_product", lambda *a: calls.append(a[0]) or real(*a))
+    calls, real = [], gl.bind_product
+    monkeypatch.setattr(gl, "bind_product", lambda *a: calls.append(a[0]) or real(*a))
+    monkeypatch.setattr(gl, "tiled_linear", None)  # (a decode step that took the tile path would fail)
     y = layer(x)
-    assert calls and gguf_gemv.compiled_products_work()
+    assert len(calls) == 1 and gguf_gemv.compiled_products_work()
     expected = torch.nn.functional.linear(x, ref, bias)
     assert y.shape == (1, 1, 40)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
     half = layer(x.bfloat16())  # a bfloat16 model's step: the product in float32, the result rounded
-    assert half.dtype == torch.bfloat16 and len(calls) == 2
+    assert half.dtype == torch.bfloat16 and len(calls) == 1  # bound to the fields once
     torch.testing.assert_close(half.float(), torch.nn.functional.linear(x.bfloat16().float(), ref, bias),
                                rtol=1e-2, atol=1e-2 * float(expected.abs().max()))  # fmt: skip
 
@@ -203,6 +204,16 @@ def test_iq4_levels_by_arithmetic_are_the_table():
 
     codes = torch.arange(16, dtype=torch.uint8)
     assert torch.equal(iq4_levels(codes), torch.tensor(IQ4_VALUES, dtype=torch.float32))
+
+
+def test_a_decode_step_binds_again_when_the_fields_are_replaced():
+    """The product bound to a module's fields follows them when they are replaced (`.to()`, the arena):
+    zeroed copies give a zero product, not the old fields' one."""
+    layer = quantized_linear(Q.Q8_0, _blocks(Q.Q8_0, rows=32, cols=256), None)
+    x = torch.randn(1, 256)
+    assert layer(x).abs().max() > 0
+    layer._apply(torch.zeros_like)
+    assert torch.equal(layer(x), torch.zeros(1, 32))
 
 
 def test_without_a_compiler_the_decode_step_takes_the_tile_path(monkeypatch, caplog):

@@ -59,11 +59,11 @@ def nibble_gemv(x: torch.Tensor, codes: torch.Tensor, high: torch.Tensor | None,
     (see NibbleLinear). Each group's Σ q x first, then scaled, and the offsets times each group's Σ x."""
     groups = codes.shape[1]
     xg = _inputs(x, groups, 2, 16)
-    lo, hi = (codes & 15).float(), (codes >> 4).float()
+    lo, hi16 = (codes & 15).float(), (codes & 240).float()  # hi16: the high nibble times 16 (no byte shift)
     if high is not None:
         fifth = fifth_bits(high, dim=-2).float() * 16  # [B, G, 32, L]
-        lo, hi = lo + fifth[:, :, :16], hi + fifth[:, :, 16:]
-    inner = (lo * xg[:, 0] + hi * xg[:, 1]).sum(2)  # [B, G, L]
+        lo, hi16 = lo + fifth[:, :, :16], hi16 + fifth[:, :, 16:] * 16
+    inner = (lo * xg[:, 0] + hi16 * (xg[:, 1] * 0.0625)).sum(2)  # [B, G, L]
     scale = a.float().repeat_interleave(per, 1) * a_mult
     offset = b.float().repeat_interleave(per, 1) * b_mult
     return _lanes((inner * scale - offset * xg.sum((1, 2))).sum(1))
@@ -101,13 +101,19 @@ def q6_k_gemv(x: torch.Tensor, ql: torch.Tensor, qh: torch.Tensor, scales: torch
     q6_k_codes concatenates: inductor then reads each ql byte into both without building the codes."""
     n, blocks, _, lanes = ql.shape
     low = ql.reshape(n, blocks, 2, 2, 32, lanes)  # [half, quarter of the pair, input]
-    high = (qh.reshape(n, blocks, 2, 1, 32, lanes) >> _pair_shifts(qh)[..., None]) & 3  # [half, quarter, input]
+    high = qh.reshape(n, blocks, 2, 32, lanes)  # [half, input]: quarter t's bits at 2t
     scale = (d.float()[:, :, None] * scales.float()).reshape(n, blocks, 2, 2, 2, 2, lanes)  # [half, pair, quarter, 16s]
     xs = _inputs(x, blocks, 2, 2, 2, 2, 16)
     sums = xs.sum(-2)  # [blocks, half, pair, quarter, 16s, 1]
-    pairs = ((low & 15) | (high[:, :, :, :2] << 4), (low >> 4) | (high[:, :, :, 2:] << 4))
-    return _lanes(sum(((q.float().reshape(n, blocks, 2, 2, 2, 16, lanes) * xs[:, :, p]).sum(-2) - 32 * sums[:, :, p])
-                      .mul(scale[:, :, :, p]).sum((1, 2, 3, 4)) for p, q in enumerate(pairs)))  # fmt: skip
+    y = 0
+    for p in range(2):  # masks, then exact power-of-two scales: AVX-512 has no byte shift
+        nibbles = (low & (15 << 4 * p)).float() * 0.0625**p
+        for j in range(2):
+            t = 2 * p + j
+            q = nibbles[:, :, :, j] + (high & (3 << 2 * t)).float() * (16 * 0.25**t)  # [B, blocks, half, input, L]
+            inner = (q.reshape(n, blocks, 2, 2, 16, lanes) * xs[:, :, p, j]).sum(-2) - 32 * sums[:, :, p, j]
+            y = y + (inner * scale[:, :, :, p, j]).sum((1, 2, 3))
+    return _lanes(y)
 
 
 def k_low_codes(qs: torch.Tensor, hmask: torch.Tensor | None) -> torch.Tensor:
@@ -139,10 +145,10 @@ def k_low_gemv(x: torch.Tensor, qs: torch.Tensor, hmask: torch.Tensor | None, d:
     scale = (sc * d.float()[:, :, None]).reshape(n, blocks, 2, 4, 2, lanes)
     y = 0
     for h in range(2):
-        for s in range(4):
-            q = ((codes[:, :, h] >> (2 * s)) & 3).float()
+        for s in range(4):  # (a mask, then an exact power-of-two scale: AVX-512 has no byte shift)
+            q = (codes[:, :, h] & (3 << 2 * s)).float() * 0.25**s
             if high is not None:
-                q = q + 4 * ((high >> (4 * h + s)) & 1).float() - 4
+                q = q + (high & (1 << 4 * h + s)).float() * 2.0 ** (2 - 4 * h - s) - 4
             y = y + ((q * xs[:, h, s]).sum(-2) * scale[:, :, h, s]).sum((1, 2))
     if dmin is not None:
         mins = (scales >> 4).float() * dmin.float()[:, :, None]  # [B, blocks, 16, L]

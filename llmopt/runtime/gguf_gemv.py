@@ -170,12 +170,15 @@ def _level_polynomial(levels: tuple[int, ...], degree: int = 4) -> tuple[float, 
 IQ4_POLYNOMIAL = _level_polynomial(IQ4_VALUES)
 
 
-def iq4_levels(codes: torch.Tensor) -> torch.Tensor:
-    """llama.cpp's IQ4 level (codebooks.IQ4_VALUES) of each 4-bit index, as float32."""
+def iq4_levels(codes: torch.Tensor, unit: int = 1) -> torch.Tensor:
+    """llama.cpp's IQ4 level (codebooks.IQ4_VALUES) of each 4-bit index, as float32, from codes that are
+    `unit` (a power of two) times the index: a high nibble masked in place, unit 16. Horner's steps then
+    run scaled by powers of two, so every rounding is the unscaled one's."""
     q = codes.float()
-    y = torch.full_like(q, IQ4_POLYNOMIAL[0])
-    for c in IQ4_POLYNOMIAL[1:]:
-        y = y * q + c
+    degree = len(IQ4_POLYNOMIAL) - 1
+    y = torch.full_like(q, IQ4_POLYNOMIAL[0] / unit**degree)
+    for k, c in enumerate(IQ4_POLYNOMIAL[1:], start=1):
+        y = y * q + c / unit ** (degree - k)
     return torch.round(y)
 
 
@@ -184,7 +187,7 @@ def iq4_gemv(x: torch.Tensor, codes: torch.Tensor, a: torch.Tensor, a_mult: torc
     """x [in] times IQ4_NL/IQ4_XS's W = v[q] a a_mult per 32 inputs: codes [B, G, 16, L] as Q4_0's nibbles,
     v llama.cpp's 16 levels (iq4_levels), a float16 [B, G / per, L]."""
     xg = _inputs(x, codes.shape[1], 2, 16)
-    inner = (iq4_levels(codes & 15) * xg[:, 0] + iq4_levels(codes >> 4) * xg[:, 1]).sum(2)  # [B, G, L]
+    inner = (iq4_levels(codes & 15) * xg[:, 0] + iq4_levels(codes & 240, 16) * xg[:, 1]).sum(2)  # [B, G, L]
     return _lanes((inner * (a.float().repeat_interleave(per, 1) * a_mult)).sum(1))
 
 

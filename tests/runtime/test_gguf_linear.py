@@ -198,12 +198,15 @@ def test_a_decode_step_takes_the_compiled_product(qtype, monkeypatch):
 
 
 def test_iq4_levels_by_arithmetic_are_the_table():
-    """The compiled IQ4 product computes llama.cpp's 16 levels with a rounded polynomial (no lookup)."""
+    """The compiled IQ4 product computes llama.cpp's 16 levels with a rounded polynomial (no lookup), also
+    from high nibbles masked in place (codes 16 times the index)."""
     from llmopt.quant.grids.codebooks import IQ4_VALUES
     from llmopt.runtime.gguf_gemv import iq4_levels
 
     codes = torch.arange(16, dtype=torch.uint8)
-    assert torch.equal(iq4_levels(codes), torch.tensor(IQ4_VALUES, dtype=torch.float32))
+    levels = torch.tensor(IQ4_VALUES, dtype=torch.float32)
+    assert torch.equal(iq4_levels(codes), levels)
+    assert torch.equal(iq4_levels(codes * 16 + 5 & 240, 16), levels)
 
 
 def test_a_decode_step_binds_again_when_the_fields_are_replaced():

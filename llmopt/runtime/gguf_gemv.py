@@ -13,7 +13,8 @@ docs/generate.md.
 The sums run in another order than the dequantized product's: results agree to float32 rounding
 (about 1e-7 of the largest output), not bit for bit. Each weight shape compiles once (seconds, cached
 on disk by inductor; a model has a handful of shapes), handed to inductor directly: through
-`torch.compile`, dynamo's guards and call path cost more than a small product's arithmetic. Where
+`torch.compile`, dynamo's guards and call path cost more than a small product's arithmetic. Each
+module binds its product to its fields on its first decode step (`bind_product`). Where
 inductor cannot compile (no C++ compiler), the first failure is logged and every later product
 takes the tile path.
 """

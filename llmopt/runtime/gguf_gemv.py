@@ -217,14 +217,21 @@ def _compile(fn: Callable[..., torch.Tensor], args: tuple) -> Callable[..., list
     """fn over these arguments' shapes, traced with fake tensors (no eager run: a 7B's products would
     build GBs of float intermediates) and compiled by inductor, called with the tensor arguments only."""
     import torch._inductor  # (imported on first use: it takes a second)
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     def over_tensors(*tensors: torch.Tensor) -> tuple[torch.Tensor]:
         given = iter(tensors)
         return (fn(*(next(given) if isinstance(a, torch.Tensor) else a for a in args)),)
 
     tensors = _tensors(args)
-    return torch._inductor.compile(make_fx(over_tensors, tracing_mode="fake")(*tensors), tensors)
+    graph = make_fx(over_tensors, tracing_mode="fake")(*tensors)
+    # a tracing context whose fake mode has a shape environment: without one, inductor's FX graph cache
+    # steps aside ("No shape env") and every process generates and builds each product again
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+        return torch._inductor.compile(graph, tensors)
 
 
 def bind_product(fn: Callable[..., torch.Tensor], x: torch.Tensor,

@@ -20,12 +20,14 @@ from llmopt.runtime.speculative import DraftModel, PromptLookup
 from llmopt.runtime.weights import LoadedModel, load_model
 
 
-def load(model: str | Path, *, dtype: str = "auto", device: str = "auto", packed: bool = True) -> LoadedModel:
+def load(model: str | Path, *, dtype: str = "auto", device: str = "auto", packed: bool = True,
+         keep_quantized: bool | None = None) -> LoadedModel:
     """The runtime model of `model`: an HF directory (float or GPTQ), a GGUF file or a hub id.
     `dtype` auto is float32 on CPU and bfloat16 on CUDA; `packed` keeps GPTQ 4-bit layers packed and
-    GGUF weights in their quantized form on CPU (memory about the file's size; runtime/gguf_linear.py)
-    instead of dequantizing them to `dtype`."""
-    return load_model(str(model), dtype, device, packed)
+    lets a GGUF's weights keep their quantized form on CPU (memory about the file's size;
+    runtime/gguf_linear.py): always with `keep_quantized`, never with False, and with None when
+    dequantized they would not fit (runtime.weights.keep_gguf_quantized). `packed=False` dequantizes."""
+    return load_model(str(model), dtype, device, packed, gguf_quantized=keep_quantized)
 
 
 def generate(model: str | Path | LoadedModel, prompt: str, *, max_tokens: int = 256, temperature: float = 0.0,
@@ -34,7 +36,8 @@ def generate(model: str | Path | LoadedModel, prompt: str, *, max_tokens: int = 
              system: str | None = None, draft: str | Path | None = None, num_draft: int = 4, prompt_lookup: int = 0,
              self_speculative: bool = False, skip_layers: Sequence[int] | None = None,
              prefill_chunk: int = 512, compile: bool = False, dtype: str = "auto", device: str = "auto",
-             packed: bool = True, on_text: Callable[[str], None] | None = None) -> GenerationResult:  # fmt: skip
+             packed: bool = True, keep_quantized: bool | None = None,
+             on_text: Callable[[str], None] | None = None) -> GenerationResult:  # fmt: skip
     """Continue `prompt` (wrapped in the model's chat template with `chat`). Temperature 0 is greedy;
     `draft` (a smaller model sharing the tokenizer), `prompt_lookup` (n-gram length) or
     `self_speculative` (the model itself with `skip_layers` skipped, searched on the prompt when not
@@ -45,7 +48,8 @@ def generate(model: str | Path | LoadedModel, prompt: str, *, max_tokens: int = 
                              num_draft=num_draft, prompt_lookup=prompt_lookup, self_speculative=self_speculative,
                              skip_layers=skip_layers, prefill_chunk=prefill_chunk, max_tokens=max_tokens,
                              seed=seed)  # fmt: skip
-    target = model if isinstance(model, LoadedModel) else load(model, dtype=dtype, device=device, packed=packed)
+    target = model if isinstance(model, LoadedModel) else load(model, dtype=dtype, device=device, packed=packed,
+                                                               keep_quantized=keep_quantized)
     tok = target.tokenizer
     if tok is None:
         raise OptionError(f"{target.path}: has no tokenizer, so it cannot take a text prompt")
@@ -55,7 +59,7 @@ def generate(model: str | Path | LoadedModel, prompt: str, *, max_tokens: int = 
     if self_speculative or skip_layers is not None:
         drafter = _layer_skip_drafter(target.model, ids, sampling, num_draft, skip_layers, notes)
     elif draft:
-        d = load(draft, dtype=dtype, device=device, packed=packed)
+        d = load(draft, dtype=dtype, device=device, packed=packed, keep_quantized=keep_quantized)
         if d.model.arch.vocab_size != target.model.arch.vocab_size or (d.tokenizer and d.tokenizer.encode(prompt) != tok.encode(prompt)):
             raise OptionError(f"<draft> {draft}: its tokenizer differs from the model's; a draft must share the vocabulary")
         drafter = DraftModel(d.model, len(ids) + max_tokens + num_draft + 1, d.dtype, d.device)
@@ -157,7 +161,7 @@ def generate_batch(model: str | Path | LoadedModel, prompts: Sequence[str | Mapp
                    repetition_penalty: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
                    ignore_eos: bool = False, chat: bool = False, system: str | None = None, num_draft: int = 4,
                    prompt_lookup: int = 0, prefill_chunk: int = 512, dtype: str = "auto", device: str = "auto",
-                   packed: bool = True) -> BatchOutput:  # fmt: skip
+                   packed: bool = True, keep_quantized: bool | None = None) -> BatchOutput:  # fmt: skip
     """Continue many prompts at once (continuous batching over a paged KV cache with prefix sharing).
     A prompt is a string or a mapping with "prompt" and any of `REQUEST_KEYS`, which override the
     keyword defaults for that request. `prefill_chunk` is the token budget of one forward;
@@ -175,7 +179,8 @@ def generate_batch(model: str | Path | LoadedModel, prompts: Sequence[str | Mapp
                   num_draft=num_draft, prompt_lookup=prompt_lookup, prefill_chunk=prefill_chunk)
     labels = list(labels) if labels is not None else [f"prompt {i + 1}" for i in range(len(prompts))]
     entries = [check_request({"prompt": p} if isinstance(p, str) else dict(p), label) for p, label in zip(prompts, labels)]
-    target = model if isinstance(model, LoadedModel) else load(model, dtype=dtype, device=device, packed=packed)
+    target = model if isinstance(model, LoadedModel) else load(model, dtype=dtype, device=device, packed=packed,
+                                                               keep_quantized=keep_quantized)
     tok = target.tokenizer
     if tok is None:
         raise OptionError(f"{target.path}: has no tokenizer, so it cannot take a text prompt")

@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from llmopt.cli.common import DeviceOpt, JsonOpt, VerboseOpt, emit_json, err, human_bytes, out, settings
-from llmopt.cli.generate import DTypeOpt, ThreadsOpt
+from llmopt.cli.generate import DTypeOpt, KeepQuantizedOpt, ThreadsOpt
 
 
 def bench_command(
@@ -31,6 +31,7 @@ def bench_command(
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of decode tokens/s and TTFT against batch size.", show_default=False)] = None,
     threads: ThreadsOpt = 0,
     dtype: DTypeOpt = "auto",
+    keep_quantized: KeepQuantizedOpt = False,
     json_out: JsonOpt = False,
     device: DeviceOpt = None,
     verbose: VerboseOpt = 0,
@@ -47,7 +48,7 @@ def bench_command(
     report = bench(model, engine=engine, endpoint=endpoint, served_model=served_model, prompt_len=prompt_len, gen=gen,
                    batch=batch, concurrency=concurrency, requests=requests, seed=seed, dtype=dtype, device=opts.device,
                    threads=threads, bandwidth=bandwidth, time_limit=time_limit, plot=plot,
-                   on_row=None if opts.json else on_row)  # fmt: skip
+                   on_row=None if opts.json else on_row, keep_quantized=keep_quantized)  # fmt: skip
     if opts.json:
         emit_json(report.to_dict())
         return

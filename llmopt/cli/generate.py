@@ -16,6 +16,9 @@ from llmopt.errors import InputError, OptionError
 # Options shared with `llmopt eval`.
 DTypeOpt = Annotated[str, typer.Option("--dtype", help="auto | float32 | float16 | bfloat16 (auto: float32 on CPU, bfloat16 on CUDA).")]
 ThreadsOpt = Annotated[int, typer.Option("--threads", help="CPU threads for torch (0 = torch's default).")]
+KeepQuantizedOpt = Annotated[bool, typer.Option("--keep-quantized", help="GGUF on CPU: keep the weights quantized in "
+                                                "memory even when dequantized they would fit (decode faster, prefill "
+                                                "slower, the first step compiles the products). --compile implies it.")]
 PackedOpt = Annotated[bool, typer.Option("--packed-int4/--dequantize", help="GPTQ 4-bit on CPU: keep weights packed "
                                          "(int4 kernel, bfloat16 activations, faster) or dequantize them (exact). "
                                          "GGUF on CPU stays quantized in memory when dequantized it would not fit "
@@ -68,6 +71,7 @@ def generate_command(
                                                        "skip, e.g. 3,5,7 (instead of the search; implies it).")] = None,
     threads: ThreadsOpt = 0,
     packed: PackedOpt = True,
+    keep_quantized: KeepQuantizedOpt = False,
     dtype: DTypeOpt = "auto",
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Prompt tokens per prefill forward pass.")] = 512,
     compile_step: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step (CUDA graphs on GPU). "
@@ -91,6 +95,10 @@ def generate_command(
 
     opts = settings(ctx, json_out, device, verbose)
     set_threads(threads)
+    if keep_quantized and not packed:
+        raise OptionError("give one of <keep_quantized> and <dequantize>")
+    # the compiled step pays on quantized weights (gguf_gemv's products traced in), not on dequantized ones
+    keep = True if packed and (keep_quantized or compile_step) else None
     if prompts is not None:
         if prompt is not None or prompt_file is not None:
             raise OptionError("give <prompts> FILE, or one of <prompt> TEXT and <prompt_file> FILE, not both")
@@ -101,7 +109,7 @@ def generate_command(
             max_batch=max_batch, kv_blocks=kv_blocks, block_size=block_size, max_tokens=max_tokens,
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
             seed=seed, stop=stop or [], ignore_eos=ignore_eos, chat=chat, system=system, num_draft=num_draft,
-            prompt_lookup=prompt_lookup, prefill_chunk=prefill_chunk, dtype=dtype, packed=packed))
+            prompt_lookup=prompt_lookup, prefill_chunk=prefill_chunk, dtype=dtype, packed=packed, keep_quantized=keep))
     if output is not None:
         raise OptionError("<output> writes the answers of <prompts>; with one prompt the text goes to stdout")
     text = read_prompt(prompt, prompt_file)
@@ -110,14 +118,14 @@ def generate_command(
                   chat=chat, system=system, draft=draft, num_draft=num_draft, prompt_lookup=prompt_lookup,
                   self_speculative=self_speculative, skip_layers=layers, prefill_chunk=prefill_chunk,
                   max_tokens=max_tokens, seed=seed)  # fmt: skip
-    target = load(model, dtype=dtype, device=opts.device, packed=packed)
+    target = load(model, dtype=dtype, device=opts.device, packed=packed, keep_quantized=keep)
     on_text = None if opts.json else (lambda piece: out.print(piece, end="", markup=False, highlight=False, soft_wrap=True))
     result = generate(target, text, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                       min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop or [],
                       ignore_eos=ignore_eos, chat=chat, system=system, draft=draft, num_draft=num_draft,
                       prompt_lookup=prompt_lookup, self_speculative=self_speculative, skip_layers=layers,
                       prefill_chunk=prefill_chunk, compile=compile_step, dtype=dtype,
-                      device=opts.device, packed=packed, on_text=on_text)  # fmt: skip
+                      device=opts.device, packed=packed, keep_quantized=keep, on_text=on_text)  # fmt: skip
     if opts.json:
         emit_json({"text": result.text, "tokens": result.token_ids, "metrics": result.metrics.to_dict(),
                    "model": target.path, "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch.")})

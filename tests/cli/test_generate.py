@@ -1,5 +1,6 @@
 """`llmopt generate` as a user runs it: streamed text, the metrics line, --json, bad input."""
 
+import importlib
 import json
 
 import pytest
@@ -66,6 +67,39 @@ def test_chat_template_from_gguf_metadata(llmopt_here, smollm2_gguf):
     assert data["metrics"]["prompt_tokens"] > 20  # the template's system and role markup were added
 
 
+def test_keep_quantized_and_compile_ask_for_quantized_weights(llmopt_here, tiny_models, monkeypatch):
+    """What `generate` asks the loader for: the size rule by default, quantized weights with --keep-quantized
+    or --compile, and nothing quantized with --dequantize."""
+    from llmopt.errors import InputError
+
+    api = importlib.import_module("llmopt.api.generate")
+    asked = []
+
+    def loaded(*args, **kwargs):
+        asked.append((kwargs["gguf_quantized"], args[3]))  # (and `packed`)
+        raise InputError("loaded")
+
+    monkeypatch.setattr(api, "load_model", loaded)
+    for flags in ([], ["--keep-quantized"], ["--compile"], ["--compile", "--dequantize"]):
+        assert_clean_failure(llmopt_here("generate", tiny_models("llama"), "-p", "x", *flags), "loaded")
+    assert asked == [(None, True), (True, True), (True, True), (None, False)]
+
+
+@pytest.mark.slow
+def test_keep_quantized_holds_smollm2_quantized_with_the_same_tokens(llmopt_here, smollm2_gguf, monkeypatch):
+    """SmolLM2 fits dequantized, so by default it is; --keep-quantized (and --compile, whose step pays only
+    on quantized weights) keeps the file's types in memory, and greedy decoding gives the same tokens."""
+    api = importlib.import_module("llmopt.api.generate")  # (the package's `generate` is the function)
+    asked, real = [], api.load_model
+    monkeypatch.setattr(api, "load_model", lambda *a, **k: asked.append(k["gguf_quantized"]) or real(*a, **k))
+    runs = [llmopt_here("generate", smollm2_gguf, "-p", "The capital of France is", "-n", "24", "--json", *flags)
+            for flags in ([], ["--keep-quantized"])]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr
+    assert asked == [None, True]
+    plain, kept = (json.loads(r.stdout) for r in runs)
+    assert kept["tokens"] == plain["tokens"]
+
+
 @pytest.mark.parametrize("args, expect", [
     (["-p", "x", "--prompt-file", "f.txt"], "exactly one of"),
     ([], "exactly one of"),
@@ -82,6 +116,7 @@ def test_chat_template_from_gguf_metadata(llmopt_here, smollm2_gguf):
     (["-p", "x", "--chat"], "no chat template"),
     (["-p", "x", "--max-tokens", "0"], "--max-tokens"),
     (["-p", "x", "--compile", "--max-tokens", "0"], "--max-tokens"),  # refused before any compiling
+    (["-p", "x", "--keep-quantized", "--dequantize"], "give one of --keep-quantized and --dequantize"),
 ])
 def test_bad_input_is_one_line_exit_2(llmopt_here, tiny_models, args, expect):
     assert_clean_failure(llmopt_here("generate", tiny_models("llama"), *args), expect)

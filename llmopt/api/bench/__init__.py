@@ -75,11 +75,13 @@ def bench(model: str | Path | None = None, *, engine: str | None = None, endpoin
           batch: str | Sequence[int] | None = None, concurrency: str | Sequence[int] | None = None,
           requests: int = 64, seed: int = 0, dtype: str = "auto", device: str = "auto", threads: int = 0,
           bandwidth: str | float | None = None, time_limit: float = 600.0, warmup: bool = True,
-          plot: str | Path | None = None, on_row: Callable[[BenchRow], None] | None = None) -> BenchReport:  # fmt: skip
+          plot: str | Path | None = None, on_row: Callable[[BenchRow], None] | None = None,
+          keep_quantized: bool = False) -> BenchReport:  # fmt: skip
     """Benchmark `model` with `engine` (llmopt or llama.cpp) over every prompt length x batch size,
     or the server at `endpoint` over every prompt length x concurrency (`requests` requests each,
     `model` or `served_model`, when a path, giving the tokenizer). `bandwidth`: GB/s or a catalog
-    GPU name; measured on the device when omitted. With `plot`, a PNG of the sweep."""
+    GPU name; measured on the device when omitted. With `plot`, a PNG of the sweep. `keep_quantized`: the
+    llmopt engine keeps a GGUF's weights quantized on CPU even where dequantized they would fit."""
     lengths = int_list(prompt_len, "prompt_len")
     if not 1 <= gen <= 1 << 20:
         raise OptionError(f"<gen> {gen}: must be between 1 and {1 << 20}")
@@ -91,6 +93,8 @@ def bench(model: str | Path | None = None, *, engine: str | None = None, endpoin
         from llmopt.eval.plotting import require_matplotlib
 
         require_matplotlib()
+    if keep_quantized and (endpoint is not None or engine not in (None, "llmopt")):
+        raise OptionError("<keep_quantized> is for the llmopt engine, which holds the weights itself")
     if endpoint is not None:
         if engine is not None:
             raise OptionError("choose one of <engine> and <endpoint>")
@@ -115,7 +119,7 @@ def bench(model: str | Path | None = None, *, engine: str | None = None, endpoin
 
             resolve_bandwidth(bandwidth, "cpu")
         report = _bench_in_process(str(model), engine, lengths, gen, batches, seed, dtype, device, threads, bandwidth,
-                                   warmup, on_row)  # fmt: skip
+                                   warmup, on_row, keep_quantized)  # fmt: skip
     if plot is not None:
         from llmopt.api.bench.plot import plot_report
 
@@ -125,11 +129,12 @@ def bench(model: str | Path | None = None, *, engine: str | None = None, endpoin
 
 def _bench_in_process(model: str, engine_name: str, lengths: list[int], gen: int, batches: list[int], seed: int,
                       dtype: str, device: str, threads: int, bandwidth: str | float | None, warmup: bool,
-                      on_row: Callable[[BenchRow], None] | None) -> BenchReport:  # fmt: skip
+                      on_row: Callable[[BenchRow], None] | None,
+                      keep_quantized: bool = False) -> BenchReport:  # fmt: skip
     from llmopt.api.bench.bandwidth import resolve_bandwidth
     from llmopt.api.bench.prompts import synthetic_prompts
 
-    engine = _make_engine(model, engine_name, dtype, device, threads)
+    engine = _make_engine(model, engine_name, dtype, device, threads, keep_quantized)
     longest = max(lengths) + gen
     if longest > engine.context:
         raise OptionError(f"<prompt_len> {max(lengths)} + <gen> {gen} = {longest} tokens: more than the model's "
@@ -170,7 +175,7 @@ def trace_row(engine: Any, trace: Any, length: int, gen: int, bandwidth_gbs: flo
     return row
 
 
-def _make_engine(model: str, name: str, dtype: str, device: str, threads: int) -> Any:
+def _make_engine(model: str, name: str, dtype: str, device: str, threads: int, keep_quantized: bool = False) -> Any:
     if name == "llama.cpp":
         from llmopt.api.bench.llama_cpp_engine import LlamaCppEngine
 
@@ -181,7 +186,7 @@ def _make_engine(model: str, name: str, dtype: str, device: str, threads: int) -
     from llmopt.runtime.weights import load_model, set_threads
 
     set_threads(threads)
-    return LlmoptEngine(load_model(model, dtype, device, packed=True))
+    return LlmoptEngine(load_model(model, dtype, device, packed=True, gguf_quantized=keep_quantized or None))
 
 
 def _check_cache_fits(nbytes: int, device: str) -> None:

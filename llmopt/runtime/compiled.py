@@ -11,6 +11,7 @@ give the same tokens.
 
 from __future__ import annotations
 
+import time
 import types
 from collections.abc import Callable
 
@@ -75,13 +76,16 @@ class CompiledDecoder:
         self.cache: StaticKVCache | None = None
         self.module: StaticDecodeStep | None = None
         self.step = None
+        self.built_s: float | None = None  # seconds the last call spent compiling (None: it reused the step)
 
     def __call__(self, arch: ArchSpec, max_len: int, batch: int, dtype: torch.dtype,
                  device: torch.device | str) -> StaticKVCache:
         """The compiled step's cache, emptied (a `CacheFactory`; batch 1, the model's dtype and device)."""
         if batch != 1:
             raise ValueError("the compiled decode step runs one sequence")
+        self.built_s = None
         if self.cache is None or self.cache.max_len < max_len:
+            t0 = time.perf_counter()
             param = next(self.model.parameters())
             size = -(-max_len // self.ROUND) * self.ROUND
             self.cache = StaticKVCache(self.model.arch, size, 1, param.dtype, param.device)
@@ -92,6 +96,13 @@ class CompiledDecoder:
             # whose tensors keep their shapes. CUDA's "reduce-overhead" mode takes no such option here.
             how = {"mode": self.mode} if self.mode else {"options": {"guard_filter_fn": MODULE_GUARDS_SKIPPED}}
             self.step = torch.compile(step, fullgraph=True, dynamic=False, **how)
+            # compiled here, not in the first decode step, so generation's TTFT/TPOT time decoding only.
+            # The step writes K/V at the last slot, which a real step writes before it ever reads it
+            # (attention masks the slots after its position).
+            self.decode(0, size - 1)
+            if param.device.type == "cuda":
+                torch.cuda.synchronize(param.device)
+            self.built_s = time.perf_counter() - t0
         self.cache.length = 0
         return self.cache
 

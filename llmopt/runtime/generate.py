@@ -38,6 +38,7 @@ class Metrics:
     skip_layers: list[int] | None = None  # self-speculative: the layers the draft skipped ([]: none used)
     skip_search_s: float | None = None  # self-speculative: the skip-set search's time (before prefill)
     predicted_speedup: float | None = None  # self-speculative: the search's prediction for its set
+    compile_s: float | None = None  # --compile: the decode step's compiling, before prefill (None: reused)
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -52,6 +53,8 @@ class Metrics:
             searched = "" if self.skip_search_s is None else \
                 f" (searched in {self.skip_search_s:.1f} s, predicted {self.predicted_speedup:.2f}x)"
             parts.append(f"skipped layers {','.join(map(str, self.skip_layers)) or 'none'}{searched}")
+        if self.compile_s is not None:
+            parts.append(f"step compiled in {self.compile_s:.1f} s")
         return " | ".join(parts)
 
 
@@ -183,6 +186,8 @@ class Generator:
         generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ())))
         stream = TextStream(self.tokenizer, stop) if self.tokenizer is not None else None
         metrics = Metrics(prompt_tokens=len(prompt_ids))
+        if self.compiled is not None:
+            metrics.compile_s = self.compiled.built_s
         if speculative:
             metrics.drafted_tokens = metrics.accepted_tokens = 0
             self.drafter.begin(cache)

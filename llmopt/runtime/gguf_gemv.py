@@ -97,9 +97,9 @@ def q6_k_codes(ql: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
 
 def q6_k_gemv(x: torch.Tensor, ql: torch.Tensor, qh: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """x [in] times Q6_K's W = d sc (q - 32): ql [B, blocks, 128, L], qh [B, blocks, 64, L] (layout:
-    q6_k_codes), int8 scales [B, blocks, 16, L] per 16 inputs, float16 d [B, blocks, L]. Two sums,
-    quarters 0-1 (the ql bytes' low nibbles) and 2-3 (high nibbles), rather than one over the codes
-    q6_k_codes concatenates: inductor then reads each ql byte into both without building the codes."""
+    q6_k_codes), int8 scales [B, blocks, 16, L] per 16 inputs, float16 d [B, blocks, L]. One sum per
+    quarter (0-1 from the ql bytes' low nibbles, 2-3 from their high ones), rather than one over the codes
+    q6_k_codes concatenates: inductor then reads each ql byte into two without building the codes."""
     n, blocks, _, lanes = ql.shape
     low = ql.reshape(n, blocks, 2, 2, 32, lanes)  # [half, quarter of the pair, input]
     high = qh.reshape(n, blocks, 2, 32, lanes)  # [half, input]: quarter t's bits at 2t

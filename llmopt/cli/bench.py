@@ -32,6 +32,8 @@ def bench_command(
     threads: ThreadsOpt = 0,
     dtype: DTypeOpt = "auto",
     keep_quantized: KeepQuantizedOpt = False,
+    compile_step: Annotated[bool, typer.Option("--compile", help="Decode with generate --compile's step (batch 1; "
+                                               "CUDA graphs on GPU; keeps a GGUF quantized on CPU).")] = False,
     json_out: JsonOpt = False,
     device: DeviceOpt = None,
     verbose: VerboseOpt = 0,
@@ -48,7 +50,8 @@ def bench_command(
     report = bench(model, engine=engine, endpoint=endpoint, served_model=served_model, prompt_len=prompt_len, gen=gen,
                    batch=batch, concurrency=concurrency, requests=requests, seed=seed, dtype=dtype, device=opts.device,
                    threads=threads, bandwidth=bandwidth, time_limit=time_limit, plot=plot,
-                   on_row=None if opts.json else on_row, keep_quantized=keep_quantized)  # fmt: skip
+                   on_row=None if opts.json else on_row, keep_quantized=keep_quantized,
+                   compile=compile_step)  # fmt: skip
     if opts.json:
         emit_json(report.to_dict())
         return

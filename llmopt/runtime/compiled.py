@@ -106,6 +106,12 @@ class CompiledDecoder:
         self.cache.length = 0
         return self.cache
 
+    @classmethod
+    def for_model(cls, model: Decoder) -> CompiledDecoder:
+        """The step for `model`'s device: recorded as a CUDA graph on CUDA ("reduce-overhead"), fused by
+        inductor's C++ backend on CPU."""
+        return cls(model, "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None)
+
     def decode(self, token: int, pos: int) -> torch.Tensor:
         """Logits after `token` at position `pos`, written into the cache."""
         assert self.step is not None and self.cache is not None

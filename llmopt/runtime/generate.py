@@ -148,7 +148,7 @@ class Generator:
         self.eos = eos_ids(tokenizer) if eos is None else eos
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.compiled = CompiledDecoder(model, "reduce-overhead" if self.device.type == "cuda" else None) if compile else None
+        self.compiled = CompiledDecoder.for_model(model) if compile else None
         self.cache_factory = self.compiled if self.compiled is not None else cache_factory
         self._cache_long = False  # whether the cache holds keys rotated by longrope's long factors
 

@@ -59,6 +59,21 @@ def test_prompt_text_reads_back_as_the_length(tiny_models):
             assert len(tok.tokenizer.encode(text, add_special_tokens=False).ids) == length
 
 
+@pytest.mark.slow
+def test_the_compiled_engine_gives_the_eager_tokens(tiny_models):
+    """`bench --compile`: generate --compile's step, compiled once when the first run builds its cache
+    (outside the timing), gives the eager engine's tokens, and a second run reuses it."""
+    loaded = load_model(str(tiny_models("llama")), packed=True)
+    eager = LlmoptEngine(loaded)
+    prompts = synthetic_prompts(1, 21, eager.vocab_size, seed=2, exclude=eager.excluded_ids())
+    want = eager.run(prompts, 10).tokens
+    compiled = LlmoptEngine(loaded, compile=True)
+    first = compiled.run(prompts, 10)
+    assert first.tokens == want and len(first.step_s) == 9
+    assert compiled.compiled.built_s is not None  # it compiled in this run
+    assert compiled.run(prompts, 10).tokens == want and compiled.compiled.built_s is None
+
+
 @pytest.mark.parametrize("family,tie", [("llama", False), ("qwen2", True)])
 def test_lockstep_batch_gives_batch_one_tokens(tiny_models, family, tie):
     path = tiny_models(family, tie)

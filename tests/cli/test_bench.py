@@ -53,6 +53,8 @@ def test_table_json_and_plot(llmopt_here, tiny_models, tmp_path):
     (["--prompt-len", "250", "--gen", "10"], "more than the model's context of 256"),
     (["--bandwidth", "fast"], "--bandwidth 'fast': expected GB/s or a GPU name"),
     (["--engine", "llama.cpp", "--keep-quantized"], "--keep-quantized is for the llmopt engine"),
+    (["--engine", "llama.cpp", "--compile"], "--compile is for the llmopt engine"),
+    (["--compile", "--batch", "1,4"], "--compile decodes one sequence: leave --batch at 1"),
 ])
 def test_bad_options_are_one_line(llmopt_here, tiny_models, args, expect):
     assert_clean_failure(llmopt_here("bench", tiny_models("llama"), *args), expect)

@@ -76,12 +76,13 @@ def bench(model: str | Path | None = None, *, engine: str | None = None, endpoin
           requests: int = 64, seed: int = 0, dtype: str = "auto", device: str = "auto", threads: int = 0,
           bandwidth: str | float | None = None, time_limit: float = 600.0, warmup: bool = True,
           plot: str | Path | None = None, on_row: Callable[[BenchRow], None] | None = None,
-          keep_quantized: bool = False) -> BenchReport:  # fmt: skip
+          keep_quantized: bool = False, compile: bool = False) -> BenchReport:  # fmt: skip
     """Benchmark `model` with `engine` (llmopt or llama.cpp) over every prompt length x batch size,
     or the server at `endpoint` over every prompt length x concurrency (`requests` requests each,
     `model` or `served_model`, when a path, giving the tokenizer). `bandwidth`: GB/s or a catalog
     GPU name; measured on the device when omitted. With `plot`, a PNG of the sweep. `keep_quantized`: the
-    llmopt engine keeps a GGUF's weights quantized on CPU even where dequantized they would fit."""
+    llmopt engine keeps a GGUF's weights quantized on CPU even where dequantized they would fit. `compile`:
+    it decodes with `generate --compile`'s step (batch 1; it keeps a GGUF quantized on CPU, as there)."""
     lengths = int_list(prompt_len, "prompt_len")
     if not 1 <= gen <= 1 << 20:
         raise OptionError(f"<gen> {gen}: must be between 1 and {1 << 20}")
@@ -93,8 +94,9 @@ def bench(model: str | Path | None = None, *, engine: str | None = None, endpoin
         from llmopt.eval.plotting import require_matplotlib
 
         require_matplotlib()
-    if keep_quantized and (endpoint is not None or engine not in (None, "llmopt")):
-        raise OptionError("<keep_quantized> is for the llmopt engine, which holds the weights itself")
+    for flag, given in (("keep_quantized", keep_quantized), ("compile", compile)):
+        if given and (endpoint is not None or engine not in (None, "llmopt")):
+            raise OptionError(f"<{flag}> is for the llmopt engine, which holds the weights itself")
     if endpoint is not None:
         if engine is not None:
             raise OptionError("choose one of <engine> and <endpoint>")
@@ -114,12 +116,14 @@ def bench(model: str | Path | None = None, *, engine: str | None = None, endpoin
         if model is None:
             raise OptionError("give the MODEL to benchmark (or <endpoint> URL)")
         batches = int_list(batch or (1,), "batch", high=MAX_BATCH)
+        if compile and batches != [1]:
+            raise OptionError("<compile> decodes one sequence: leave <batch> at 1")
         if bandwidth is not None:  # a given number or GPU name is checked before the model loads
             from llmopt.api.bench.bandwidth import resolve_bandwidth
 
             resolve_bandwidth(bandwidth, "cpu")
         report = _bench_in_process(str(model), engine, lengths, gen, batches, seed, dtype, device, threads, bandwidth,
-                                   warmup, on_row, keep_quantized)  # fmt: skip
+                                   warmup, on_row, keep_quantized, compile)  # fmt: skip
     if plot is not None:
         from llmopt.api.bench.plot import plot_report
 
@@ -130,11 +134,11 @@ def bench(model: str | Path | None = None, *, engine: str | None = None, endpoin
 def _bench_in_process(model: str, engine_name: str, lengths: list[int], gen: int, batches: list[int], seed: int,
                       dtype: str, device: str, threads: int, bandwidth: str | float | None, warmup: bool,
                       on_row: Callable[[BenchRow], None] | None,
-                      keep_quantized: bool = False) -> BenchReport:  # fmt: skip
+                      keep_quantized: bool = False, compile: bool = False) -> BenchReport:  # fmt: skip
     from llmopt.api.bench.bandwidth import resolve_bandwidth
     from llmopt.api.bench.prompts import synthetic_prompts
 
-    engine = _make_engine(model, engine_name, dtype, device, threads, keep_quantized)
+    engine = _make_engine(model, engine_name, dtype, device, threads, keep_quantized, compile)
     longest = max(lengths) + gen
     if longest > engine.context:
         raise OptionError(f"<prompt_len> {max(lengths)} + <gen> {gen} = {longest} tokens: more than the model's "
@@ -175,7 +179,8 @@ def trace_row(engine: Any, trace: Any, length: int, gen: int, bandwidth_gbs: flo
     return row
 
 
-def _make_engine(model: str, name: str, dtype: str, device: str, threads: int, keep_quantized: bool = False) -> Any:
+def _make_engine(model: str, name: str, dtype: str, device: str, threads: int, keep_quantized: bool = False,
+                 compile: bool = False) -> Any:  # fmt: skip
     if name == "llama.cpp":
         from llmopt.api.bench.llama_cpp_engine import LlamaCppEngine
 
@@ -186,7 +191,9 @@ def _make_engine(model: str, name: str, dtype: str, device: str, threads: int, k
     from llmopt.runtime.weights import load_model, set_threads
 
     set_threads(threads)
-    return LlmoptEngine(load_model(model, dtype, device, packed=True, gguf_quantized=keep_quantized or None))
+    # the compiled step pays on quantized weights (gguf_gemv's products traced in), as in `generate --compile`
+    loaded = load_model(model, dtype, device, packed=True, gguf_quantized=keep_quantized or compile or None)
+    return LlmoptEngine(loaded, compile=compile)
 
 
 def _check_cache_fits(nbytes: int, device: str) -> None:

@@ -18,6 +18,7 @@ from llmopt.api.bench.prompts import special_token_ids
 from llmopt.api.bench.trace import Trace, peak_rss_bytes, reset_peak_rss
 from llmopt.model.kv_cache import StaticKVCache
 from llmopt.plan.kv_cache import kv_bytes_per_token
+from llmopt.runtime.compiled import CompiledDecoder
 from llmopt.runtime.generate import _sync
 from llmopt.runtime.weights import LoadedModel
 
@@ -25,10 +26,12 @@ from llmopt.runtime.weights import LoadedModel
 class LlmoptEngine:
     name = "llmopt"
 
-    def __init__(self, loaded: LoadedModel, prefill_chunk: int = 512):
+    def __init__(self, loaded: LoadedModel, prefill_chunk: int = 512, compile: bool = False):
         self.loaded = loaded
         self.model = loaded.model
         self.prefill_chunk = prefill_chunk
+        # `generate --compile`'s fixed-shape step (one sequence), compiled when a run first builds its cache
+        self.compiled = CompiledDecoder.for_model(self.model) if compile else None
         arch = self.model.arch
         self.vocab_size = arch.vocab_size
         self.context = arch.max_position_embeddings
@@ -45,7 +48,10 @@ class LlmoptEngine:
     def run(self, prompts: list[list[int]], gen: int) -> Trace:
         device, model = self.loaded.device, self.model
         batch, length = len(prompts), len(prompts[0])
-        cache = StaticKVCache(model.arch, length + gen, batch, self.loaded.dtype, device)
+        if self.compiled is not None:  # (built and compiled here, before the clock starts)
+            cache = self.compiled(model.arch, length + gen, batch, self.loaded.dtype, device)
+        else:
+            cache = StaticKVCache(model.arch, length + gen, batch, self.loaded.dtype, device)
         ids = torch.tensor(prompts, dtype=torch.long, device=device)
         _reset_peak(device)
         _sync(device)
@@ -59,7 +65,10 @@ class LlmoptEngine:
         steps = []
         for i in range(1, gen):
             t = time.perf_counter()
-            token = model(token[:, None], length + i - 1, cache)[:, -1].argmax(-1)
+            if self.compiled is not None:
+                token = self.compiled.decode(int(token[0]), length + i - 1).argmax(-1).view(1)
+            else:
+                token = model(token[:, None], length + i - 1, cache)[:, -1].argmax(-1)
             tokens.append(token.tolist())
             steps.append(time.perf_counter() - t)
         per_sequence = [list(seq) for seq in zip(*tokens)]

@@ -74,8 +74,9 @@ def generate_command(
     keep_quantized: KeepQuantizedOpt = False,
     dtype: DTypeOpt = "auto",
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Prompt tokens per prefill forward pass.")] = 512,
-    compile_step: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step (CUDA graphs on GPU). "
-                                               "Compiling takes about a minute; it pays off on GPU, not on CPU.")] = False,
+    compile_step: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step (CUDA graphs on GPU), "
+                                               "before prefill (up to a minute; reported apart). On CPU it pays on a "
+                                               "GGUF, which it keeps quantized, not on float weights.")] = False,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Many prompts at once: a JSON-lines file, one "
                                                     "{\"prompt\": ...} a line (plus optional max_tokens, seed, temperature, "
                                                     "stop, ...), answered with continuous batching.")] = None,

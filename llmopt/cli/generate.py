@@ -92,14 +92,13 @@ def generate_command(
 ) -> None:
     """Generate text with the built-in runtime (KV cache; optional speculative decoding; --prompts for a batch)."""
     from llmopt.api.generate import check_options, generate, load  # here, not at the top: `llmopt --help` starts without torch
-    from llmopt.runtime.weights import set_threads
+    from llmopt.runtime.weights import gguf_quantized_for, set_threads
 
     opts = settings(ctx, json_out, device, verbose)
     set_threads(threads)
     if keep_quantized and not packed:
         raise OptionError("give one of <keep_quantized> and <dequantize>")
-    # the compiled step pays on quantized weights (gguf_gemv's products traced in), not on dequantized ones
-    keep = True if packed and (keep_quantized or compile_step) else None
+    keep = gguf_quantized_for(keep_quantized, compile_step) if packed else None
     if prompts is not None:
         if prompt is not None or prompt_file is not None:
             raise OptionError("give <prompts> FILE, or one of <prompt> TEXT and <prompt_file> FILE, not both")

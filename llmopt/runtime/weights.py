@@ -89,6 +89,13 @@ def build_decoder(source: ModelSource, dtype: torch.dtype, device: torch.device,
     return model
 
 
+def gguf_quantized_for(keep_quantized: bool, compile: bool) -> bool | None:
+    """`build_decoder`'s `gguf_quantized` for a command's flags: True when asked, or when the decode step is
+    compiled (it pays on quantized weights, gguf_gemv's products traced in, not on float ones); None
+    otherwise, which leaves the choice to `keep_gguf_quantized`."""
+    return True if keep_quantized or compile else None
+
+
 def keep_gguf_quantized(source: GGUFSource, dtype: torch.dtype) -> bool:
     """Keep a GGUF model quantized in memory when dequantized it would take more than half the memory
     available now; above that, quantized is what lets a 7B Q4 file run on a small machine at all.

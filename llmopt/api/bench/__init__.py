@@ -188,11 +188,10 @@ def _make_engine(model: str, name: str, dtype: str, device: str, threads: int, k
             raise OptionError("<engine> llama.cpp runs the GGUF's own types on the CPU: leave <dtype> and <device> unset")
         return LlamaCppEngine(model, threads)
     from llmopt.api.bench.llmopt_engine import LlmoptEngine
-    from llmopt.runtime.weights import load_model, set_threads
+    from llmopt.runtime.weights import gguf_quantized_for, load_model, set_threads
 
     set_threads(threads)
-    # the compiled step pays on quantized weights (gguf_gemv's products traced in), as in `generate --compile`
-    loaded = load_model(model, dtype, device, packed=True, gguf_quantized=keep_quantized or compile or None)
+    loaded = load_model(model, dtype, device, packed=True, gguf_quantized=gguf_quantized_for(keep_quantized, compile))
     return LlmoptEngine(loaded, compile=compile)
 
 

@@ -24,7 +24,8 @@ from llmopt.model.ggml_types import GGML_TYPES_BY_ID, GGMLQuantType
 from llmopt.quant.grids import quantize
 from llmopt.runtime.gguf_linear import quantized_linear
 
-TYPES = ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "F16", "IQ4_NL", "IQ4_XS")
+TYPES = ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "F16", "IQ4_NL", "IQ4_XS",
+         "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 SHAPES = ((3072, 576), (576, 1536), (4096, 4096), (11008, 4096), (4096, 11008))  # SmolLM2's stacked gate/up, its down; 7B's
 CACHE_BYTES = 64 << 20  # more than the L3 of the machines this ran on (32 MiB)
 
@@ -35,7 +36,8 @@ def block_rows(qtype: str, rows: int, cols: int) -> torch.Tensor:
     if qtype == "F16":
         few = w.half().view(torch.uint8).numpy()
     else:
-        few = np.ascontiguousarray(pack(quantize(qtype, w)))
+        importance = torch.ones(cols)  # (IQ2_XXS, IQ2_XS, IQ1_S refuse to quantize without one, as llama.cpp)
+        few = np.ascontiguousarray(pack(quantize(qtype, w, importance)))
     few = torch.from_numpy(few).view(torch.uint8).reshape(64, -1)
     return few.repeat(-(-rows // 64), 1)[:rows].contiguous()
 

@@ -13,11 +13,13 @@ Each 2-D weight of a quantized (or F16) type takes one of these paths:
 * Q2_K, Q3_K -> `KLowLinear`: two-bit codes (+ Q3_K's third bits) and the scale fields (exact).
 * F16 -> `F16Linear`: the float16 weight, widened per tile (exact).
 * IQ4_NL, IQ4_XS -> `IQ4Linear`: the 4-bit indices and the scale fields, levels looked up (exact).
+* IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M -> `gguf_lattice.LatticeLinear`: the file's fields,
+  codebook points looked up (exact).
 * every other type -> `RawGGUFLinear`: the file's block bytes, dequantized by `model/dequantize.py`
   (the reader's one definition) one tile of rows at a time inside forward (exact, slow).
 
 A batch-1 decode step's input to the float paths but RawGGUFLinear (any float dtype) takes a compiled
-product over the stored fields instead (gguf_gemv.py; equal to float32 rounding; per type and shape against
+product over the stored fields instead (gguf_gemv.py, gguf_lattice.py; equal to float32 rounding; per type and shape against
 a float32 weight: benchmarks/decode_products.py, docs/generate.md). Embeddings keep the block bytes and
 dequantize only the looked-up rows. Peak memory is the quantized weights plus one tile of float rows
 (TILE_BYTES).
@@ -543,6 +545,10 @@ def quantized_linear(qtype: GGMLQuantType, data: torch.Tensor, bias: torch.Tenso
         return F16Linear(data, bias)
     if qtype in (Q.IQ4_NL, Q.IQ4_XS):
         return IQ4Linear(qtype, data, bias)
+    from llmopt.runtime import gguf_lattice  # (it builds on FieldLinear, above)
+
+    if qtype in gguf_lattice.TYPES:
+        return gguf_lattice.LatticeLinear(qtype, data, bias)
     return RawGGUFLinear(qtype, data, bias)
 
 

@@ -15,6 +15,7 @@ from llmopt.formats.gguf.blocks import pack
 from llmopt.formats.gguf.writer import plan_gguf, write_gguf
 from llmopt.model import open_model
 from llmopt.quant.grids import quantize
+from llmopt.runtime.gguf_lattice import LatticeLinear
 from llmopt.runtime.gguf_linear import (F16Linear, Int8GroupLinear, IQ4Linear, KLowLinear, NibbleLinear, Q6KLinear,
                                         RawGGUFEmbedding, RawGGUFLinear, TiedQuantizedEmbedding, int4_parts,
                                         quantized_linear, stacked)
@@ -23,8 +24,9 @@ from llmopt.runtime.weights import load_model
 from tests.formats.gguf.models import make_wide_hf
 
 Q = GGMLQuantizationType
-QUANTIZED = (Int8GroupLinear, NibbleLinear, Q6KLinear, KLowLinear, F16Linear, IQ4Linear, RawGGUFLinear,
-             PackedInt4Linear)
+QUANTIZED = (Int8GroupLinear, NibbleLinear, Q6KLinear, KLowLinear, F16Linear, IQ4Linear, LatticeLinear,
+             RawGGUFLinear, PackedInt4Linear)
+LATTICE = [Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_S, Q.IQ1_M]
 
 
 def _blocks(qtype: GGMLQuantizationType, rows: int = 32, cols: int = 512, seed: int = 0) -> torch.Tensor:
@@ -32,7 +34,9 @@ def _blocks(qtype: GGMLQuantizationType, rows: int = 32, cols: int = 512, seed: 
     w = torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.02)
     if qtype == Q.F16:
         return w.half().view(torch.uint8)
-    return torch.from_numpy(np.ascontiguousarray(pack(quantize(qtype.name, w)))).view(torch.uint8).reshape(rows, -1)
+    importance = torch.rand(cols, generator=torch.Generator().manual_seed(seed)) + 0.5  # (IQ2_XXS/XS, IQ1_S need one)
+    blocks = pack(quantize(qtype.name, w, importance if qtype in LATTICE else None))
+    return torch.from_numpy(np.ascontiguousarray(blocks)).view(torch.uint8).reshape(rows, -1)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
@@ -49,7 +53,8 @@ def test_int4_parts_are_the_reference_dequantization(qtype):
                                            (Q.Q4_K, NibbleLinear), (Q.Q5_0, NibbleLinear),
                                            (Q.Q5_1, NibbleLinear), (Q.Q5_K, NibbleLinear), (Q.Q6_K, Q6KLinear),
                                            (Q.Q2_K, KLowLinear), (Q.Q3_K, KLowLinear), (Q.F16, F16Linear),
-                                           (Q.IQ4_NL, IQ4Linear), (Q.IQ4_XS, IQ4Linear), (Q.TQ2_0, RawGGUFLinear)])
+                                           (Q.IQ4_NL, IQ4Linear), (Q.IQ4_XS, IQ4Linear), (Q.TQ2_0, RawGGUFLinear),
+                                           *((q, LatticeLinear) for q in LATTICE)])
 def test_float32_linears_equal_the_dequantized_linear_exactly(qtype, cls, monkeypatch):
     import llmopt.runtime.gguf_linear as gl
 
@@ -62,7 +67,7 @@ def test_float32_linears_equal_the_dequantized_linear_exactly(qtype, cls, monkey
     if hasattr(layer, "rows"):
         assert torch.equal(layer.rows(slice(0, 48)), ref)
     held = sum(b.untyped_storage().nbytes() for b in {b.untyped_storage().data_ptr(): b for b in layer.buffers()}.values())
-    assert held <= 1.04 * data.numel(), (held, data.numel())  # about the file's (Q4_K 148 for 144, Q3_K 114 for 110)
+    assert held <= 1.04 * data.numel(), (held, data.numel())  # about the file's (Q4_K 148 for 144, IQ1_M 58 for 56)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, ref))
     ids = torch.tensor([[5, 0, 47], [5, 5, 1]])  # the same rows serve a tied embedding
     assert torch.equal(TiedQuantizedEmbedding(layer, torch.float32)(ids), ref[ids])
@@ -103,17 +108,25 @@ def wide(tmp_path_factory):
 
 
 def _write(hf: Path, out: Path, mix: str, overrides=()) -> Path:
+    """The file of `mix` (with per-tensor `overrides`); a flat importance matrix where an override needs one."""
     with open_model(hf) as src:
-        return write_gguf(src, out, plan_gguf(src, mix, has_imatrix=False, overrides=list(overrides)))
+        lattice = any(Q[t] in LATTICE for _, t in overrides)
+        plan = plan_gguf(src, mix, has_imatrix=lattice, overrides=list(overrides))
+        flat = {t.gguf_name: torch.ones(t.shape[-1]) for t in plan.tensors if len(t.shape) == 2} if lattice else None
+        return write_gguf(src, out, plan, importance=flat)
 
 
 # every type llmopt writes, by mix or by a per-tensor override
 CASES = [("llama", m, ()) for m in ("F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_M",
                                     "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0")]
 CASES += [("llama", "Q8_0", [("ffn_down", "MXFP4"), ("ffn_up", "NVFP4")]), ("qwen2", "Q8_0", ()), ("qwen2", "Q4_K_M", ())]
+CASES += [("llama", "Q8_0", [("ffn_down", "IQ3_XXS"), ("ffn_up", "IQ3_S"), ("ffn_gate", "IQ2_S"),
+                             ("attn_output", "IQ1_M")]),
+          ("llama", "Q8_0", [("ffn_down", "IQ2_XXS"), ("ffn_up", "IQ2_XS"), ("ffn_gate", "IQ1_S")])]
+IDS = [f"{f}-{m}{'+' + o[0][1] if o else ''}" for f, m, o in CASES]
 
 
-@pytest.mark.parametrize(("family", "mix", "overrides"), CASES, ids=[f"{f}-{m}{'+fp4' if o else ''}" for f, m, o in CASES])
+@pytest.mark.parametrize(("family", "mix", "overrides"), CASES, ids=IDS)
 def test_quantized_in_memory_model_gives_the_dequantized_logits(wide, tmp_path, family, mix, overrides):
     path = _write(wide(family), tmp_path / "m.gguf", mix, overrides)
     kept = load_model(str(path), "float32", "cpu", packed=True, gguf_quantized=True).model
@@ -171,7 +184,7 @@ def test_by_default_a_gguf_stays_quantized_only_when_dequantized_it_would_not_fi
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K,
-                                   Q.F16, Q.IQ4_NL, Q.IQ4_XS])
+                                   Q.F16, Q.IQ4_NL, Q.IQ4_XS, *LATTICE])
 def test_a_decode_step_takes_the_compiled_product(qtype, monkeypatch):
     """One input row: the compiled product over the stored fields (gguf_gemv.py), equal to the
     dequantized product up to float32 summation order; with a bias, and with a leading batch shape."""
@@ -243,7 +256,7 @@ def test_without_a_compiler_the_decode_step_takes_the_tile_path(monkeypatch, cap
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.F16, Q.IQ4_NL,
-                                   Q.IQ4_XS])
+                                   Q.IQ4_XS, Q.IQ3_XXS, Q.IQ2_XS, Q.IQ1_M])
 def test_linears_reading_one_input_stack_into_one_module(qtype):
     """q/k/v (or gate/up) of one layout become one module: its rows and products are the parts', stacked;
     parts of different layouts stay apart."""

@@ -25,7 +25,8 @@ from llmopt.quant.grids import quantize
 from llmopt.runtime.gguf_linear import quantized_linear
 
 TYPES = ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "F16", "IQ4_NL", "IQ4_XS",
-         "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
+         "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "Q1_0", "Q2_0",
+         "MXFP4", "NVFP4")
 SHAPES = ((3072, 576), (576, 1536), (4096, 4096), (11008, 4096), (4096, 11008))  # SmolLM2's stacked gate/up, its down; 7B's
 CACHE_BYTES = 64 << 20  # more than the L3 of the machines this ran on (32 MiB)
 

@@ -157,30 +157,36 @@ def k_low_gemv(x: torch.Tensor, qs: torch.Tensor, hmask: torch.Tensor | None, d:
     return _lanes(y)
 
 
-def _level_polynomial(levels: tuple[int, ...], degree: int = 4) -> tuple[float, ...]:
-    """Coefficients (highest power first) of a polynomial p with round(p(i)) = levels[i] for every index i:
-    IQ4's 16 levels by arithmetic, which inductor vectorizes, instead of a table lookup, which it does not
-    (4096x4096 from RAM, 2 threads: 17.7 ms looked up). Degree 4 misses each level by at most 0.48."""
+def level_polynomial(levels: tuple[int, ...], degree: int = 4) -> tuple[float, ...]:
+    """Coefficients (highest power first) of a polynomial p with round(p(i)) = levels[i] for every index i of
+    sorted levels (IQ4's 16; FP4's, degree 5): levels by arithmetic, which inductor vectorizes, instead of a
+    table lookup, which it does not (IQ4 4096x4096 from RAM, 2 threads: 17.7 ms looked up). Checked here:
+    each level within 0.49 before rounding (IQ4 at degree 4: 0.48)."""
     coefficients = np.polyfit(np.arange(len(levels)), np.array(levels, dtype=np.float64), degree)
     at = np.polyval(coefficients.astype(np.float32), np.arange(len(levels), dtype=np.float32))
     if not np.array_equal(np.round(at), levels) or np.abs(at - levels).max() > 0.49:
-        raise AssertionError("the IQ4 level polynomial does not round to the levels")
+        raise AssertionError(f"no polynomial of degree {degree} rounds to the levels {levels}")
     return tuple(float(c) for c in coefficients.astype(np.float32))
 
 
-IQ4_POLYNOMIAL = _level_polynomial(IQ4_VALUES)
+IQ4_POLYNOMIAL = level_polynomial(IQ4_VALUES)
+
+
+def polynomial_levels(codes: torch.Tensor, coefficients: tuple[float, ...], unit: int = 1) -> torch.Tensor:
+    """The level (level_polynomial's) of each index, as float32, from codes that are `unit` (a power of two)
+    times the index: a high nibble masked in place, unit 16. Horner's steps then run scaled by powers of two,
+    so every rounding is the unscaled one's."""
+    q = codes.float()
+    degree = len(coefficients) - 1
+    y = torch.full_like(q, coefficients[0] / unit**degree)
+    for k, c in enumerate(coefficients[1:], start=1):
+        y = y * q + c / unit ** (degree - k)
+    return torch.round(y)
 
 
 def iq4_levels(codes: torch.Tensor, unit: int = 1) -> torch.Tensor:
-    """llama.cpp's IQ4 level (codebooks.IQ4_VALUES) of each 4-bit index, as float32, from codes that are
-    `unit` (a power of two) times the index: a high nibble masked in place, unit 16. Horner's steps then
-    run scaled by powers of two, so every rounding is the unscaled one's."""
-    q = codes.float()
-    degree = len(IQ4_POLYNOMIAL) - 1
-    y = torch.full_like(q, IQ4_POLYNOMIAL[0] / unit**degree)
-    for k, c in enumerate(IQ4_POLYNOMIAL[1:], start=1):
-        y = y * q + c / unit ** (degree - k)
-    return torch.round(y)
+    """llama.cpp's IQ4 level (codebooks.IQ4_VALUES) of each 4-bit index (polynomial_levels)."""
+    return polynomial_levels(codes, IQ4_POLYNOMIAL, unit)
 
 
 def iq4_gemv(x: torch.Tensor, codes: torch.Tensor, a: torch.Tensor, a_mult: torch.Tensor | int,

@@ -27,7 +27,7 @@ from llmopt.quant.grids.iq1 import IQ1_LATTICE
 from llmopt.quant.grids.iq_lattice import (IQ2_S_LATTICE, IQ2_XS_LATTICE, IQ2_XXS_LATTICE, IQ3_S_LATTICE,
                                            IQ3_XXS_LATTICE)
 from llmopt.quant.grids.lattice import Lattice
-from llmopt.runtime.gguf_linear import FieldLinear, lane_rows
+from llmopt.runtime.gguf_linear import SplitFieldLinear
 
 Q = GGMLQuantType
 QK = 256  # values per block
@@ -251,22 +251,10 @@ def lattice_gemv(x: torch.Tensor, kind: str, table: torch.Tensor, *fields: torch
 FIELD_NAMES = {q: tuple(split_fields(q, torch.zeros(1, BLOCK_BYTES[q], dtype=torch.uint8))) for q in TYPES}
 
 
-class LatticeLinear(FieldLinear):
+class LatticeLinear(SplitFieldLinear):
     """A lattice i-quant weight: the file's fields (`split_fields`), LANES rows interleaved."""
 
     gemv = staticmethod(lattice_gemv)
-
-    def __init__(self, qtype: GGMLQuantType, data: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.kind = qtype.name
-        for name, field in split_fields(qtype, data).items():
-            self.register_rows(name, field)
-        self.out_features, self.in_features = data.shape[0], data.shape[1] // BLOCK_BYTES[qtype] * QK
-        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
-
-    def fields(self) -> tuple:
-        return (self.kind, TABLES[Q[self.kind]], *(self._buffers[n] for n in FIELD_NAMES[Q[self.kind]]))
-
-    def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
-        qtype = Q[self.kind]
-        return values(qtype, {n: lane_rows(self._buffers[n], index) for n in FIELD_NAMES[qtype]})
+    split_fields = staticmethod(split_fields)
+    values = staticmethod(values)
+    table = staticmethod(TABLES.__getitem__)

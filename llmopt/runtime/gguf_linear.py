@@ -15,12 +15,13 @@ Each 2-D weight of a quantized (or F16) type takes one of these paths:
 * IQ4_NL, IQ4_XS -> `IQ4Linear`: the 4-bit indices and the scale fields, levels looked up (exact).
 * IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M -> `gguf_lattice.LatticeLinear`: the file's fields,
   codebook points looked up (exact).
-* every other type -> `RawGGUFLinear`: the file's block bytes, dequantized by `model/dequantize.py`
-  (the reader's one definition) one tile of rows at a time inside forward (exact, slow).
+* TQ1_0, TQ2_0, Q1_0, Q2_0, MXFP4, NVFP4 -> `gguf_codes.CodeLinear`: the file's fields (exact).
+* any other type (none that llmopt writes) -> `RawGGUFLinear`: the file's block bytes, dequantized by
+  `model/dequantize.py` (the reader's one definition) one tile of rows at a time inside forward (exact, slow).
 
 A batch-1 decode step's input to the float paths but RawGGUFLinear (any float dtype) takes a compiled
-product over the stored fields instead (gguf_gemv.py, gguf_lattice.py; equal to float32 rounding; per type and shape against
-a float32 weight: benchmarks/decode_products.py, docs/generate.md). Embeddings keep the block bytes and
+product over the stored fields instead (gguf_gemv.py, gguf_lattice.py, gguf_codes.py; equal to float32
+rounding; per type and shape against a float32 weight: benchmarks/decode_products.py, docs/generate.md). Embeddings keep the block bytes and
 dequantize only the looked-up rows. Peak memory is the quantized weights plus one tile of float rows
 (TILE_BYTES).
 """
@@ -452,6 +453,34 @@ class F16Linear(FieldLinear):
         return (self.weight,)
 
 
+class SplitFieldLinear(FieldLinear):
+    """A weight held as its blocks' own bytes split by role (a type family's `split_fields`: the same memory
+    as the file), read back by the family's `values` (rows, bit for bit gguf's) and its `gemv` (a decode
+    step), each given the fields in `split_fields`'s order and the type's lookup `table`
+    (gguf_lattice.py, gguf_codes.py)."""
+
+    split_fields: Callable[[GGMLQuantType, torch.Tensor], dict[str, torch.Tensor]]
+    values: Callable[[GGMLQuantType, dict[str, torch.Tensor]], torch.Tensor]
+    table: Callable[[GGMLQuantType], torch.Tensor]
+
+    def __init__(self, qtype: GGMLQuantType, data: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.kind = qtype.name
+        split = self.split_fields(qtype, data)
+        self.names = tuple(split)
+        for name, field in split.items():
+            self.register_rows(name, field)
+        _, _, block, size = GGML_TYPES_BY_ID[qtype]
+        self.out_features, self.in_features = data.shape[0], data.shape[1] // size * block
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def fields(self) -> tuple:
+        return (self.kind, self.table(Q[self.kind]), *(self._buffers[n] for n in self.names))
+
+    def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
+        return self.values(Q[self.kind], {n: lane_rows(self._buffers[n], index) for n in self.names})
+
+
 class RawGGUFLinear(nn.Module):
     """Any GGUF type: the block bytes, dequantized one tile of rows at a time inside forward."""
 
@@ -545,10 +574,12 @@ def quantized_linear(qtype: GGMLQuantType, data: torch.Tensor, bias: torch.Tenso
         return F16Linear(data, bias)
     if qtype in (Q.IQ4_NL, Q.IQ4_XS):
         return IQ4Linear(qtype, data, bias)
-    from llmopt.runtime import gguf_lattice  # (it builds on FieldLinear, above)
+    from llmopt.runtime import gguf_codes, gguf_lattice  # (they build on FieldLinear, above)
 
     if qtype in gguf_lattice.TYPES:
         return gguf_lattice.LatticeLinear(qtype, data, bias)
+    if qtype in gguf_codes.TYPES:
+        return gguf_codes.CodeLinear(qtype, data, bias)
     return RawGGUFLinear(qtype, data, bias)
 
 

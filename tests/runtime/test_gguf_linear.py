@@ -15,6 +15,7 @@ from llmopt.formats.gguf.blocks import pack
 from llmopt.formats.gguf.writer import plan_gguf, write_gguf
 from llmopt.model import open_model
 from llmopt.quant.grids import quantize
+from llmopt.runtime.gguf_codes import CodeLinear
 from llmopt.runtime.gguf_lattice import LatticeLinear
 from llmopt.runtime.gguf_linear import (F16Linear, Int8GroupLinear, IQ4Linear, KLowLinear, NibbleLinear, Q6KLinear,
                                         RawGGUFEmbedding, RawGGUFLinear, TiedQuantizedEmbedding, int4_parts,
@@ -24,9 +25,10 @@ from llmopt.runtime.weights import load_model
 from tests.formats.gguf.models import make_wide_hf
 
 Q = GGMLQuantizationType
-QUANTIZED = (Int8GroupLinear, NibbleLinear, Q6KLinear, KLowLinear, F16Linear, IQ4Linear, LatticeLinear,
+QUANTIZED = (Int8GroupLinear, NibbleLinear, Q6KLinear, KLowLinear, F16Linear, IQ4Linear, LatticeLinear, CodeLinear,
              RawGGUFLinear, PackedInt4Linear)
 LATTICE = [Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_S, Q.IQ1_M]
+CODES = [Q.TQ1_0, Q.TQ2_0, Q.MXFP4, Q.NVFP4]  # (and Q1_0/Q2_0, which gguf cannot read: below)
 
 
 def _blocks(qtype: GGMLQuantizationType, rows: int = 32, cols: int = 512, seed: int = 0) -> torch.Tensor:
@@ -53,8 +55,8 @@ def test_int4_parts_are_the_reference_dequantization(qtype):
                                            (Q.Q4_K, NibbleLinear), (Q.Q5_0, NibbleLinear),
                                            (Q.Q5_1, NibbleLinear), (Q.Q5_K, NibbleLinear), (Q.Q6_K, Q6KLinear),
                                            (Q.Q2_K, KLowLinear), (Q.Q3_K, KLowLinear), (Q.F16, F16Linear),
-                                           (Q.IQ4_NL, IQ4Linear), (Q.IQ4_XS, IQ4Linear), (Q.TQ2_0, RawGGUFLinear),
-                                           *((q, LatticeLinear) for q in LATTICE)])
+                                           (Q.IQ4_NL, IQ4Linear), (Q.IQ4_XS, IQ4Linear),
+                                           *((q, LatticeLinear) for q in LATTICE), *((q, CodeLinear) for q in CODES)])
 def test_float32_linears_equal_the_dequantized_linear_exactly(qtype, cls, monkeypatch):
     import llmopt.runtime.gguf_linear as gl
 
@@ -71,6 +73,34 @@ def test_float32_linears_equal_the_dequantized_linear_exactly(qtype, cls, monkey
     assert torch.equal(layer(x), torch.nn.functional.linear(x, ref))
     ids = torch.tensor([[5, 0, 47], [5, 5, 1]])  # the same rows serve a tied embedding
     assert torch.equal(TiedQuantizedEmbedding(layer, torch.float32)(ids), ref[ids])
+
+
+def test_a_type_without_a_module_of_its_own_takes_the_reference_dequantizer_per_tile(monkeypatch):
+    """RawGGUFLinear, for a type no field module reads (a file from another writer): gguf's numpy tiles."""
+    import llmopt.runtime.gguf_linear as gl
+
+    monkeypatch.setattr(gl, "TILE_BYTES", 16 * 512 * 4)
+    data = _blocks(Q.TQ2_0, rows=48, cols=512)
+    layer = RawGGUFLinear(Q.TQ2_0, data, None)
+    ref = torch.from_numpy(dequantize(data.numpy(), Q.TQ2_0))
+    x = torch.randn(1, 512)
+    assert torch.equal(layer.rows(slice(0, 48)), ref) and torch.equal(layer(x), torch.nn.functional.linear(x, ref))
+
+
+@pytest.mark.parametrize("name", ["Q1_0", "Q2_0"])
+def test_q1_0_and_q2_0_modules_read_as_llmopts_own_dequantizer(name):
+    """Q1_0 and Q2_0 (gguf has no values for them): CodeLinear's rows are model/dequantize.py's, its decode
+    product their product."""
+    from llmopt.model.dequantize import dequantize as ours
+    from llmopt.model.ggml_types import GGMLQuantType
+
+    w = torch.from_numpy(np.random.default_rng(1).standard_normal((40, 512)).astype(np.float32) * 0.02)
+    data = torch.from_numpy(np.ascontiguousarray(pack(quantize(name, w)))).view(torch.uint8).reshape(40, -1)
+    layer = quantized_linear(GGMLQuantType[name], data, None)
+    ref = torch.from_numpy(ours(data.numpy(), GGMLQuantType[name]))
+    assert isinstance(layer, CodeLinear) and torch.equal(layer.rows(slice(0, 40)), ref)
+    x = torch.randn(1, 512)
+    torch.testing.assert_close(layer(x), x @ ref.t(), rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
 def test_int4_kernel_rounds_only_scales_and_activations_to_bfloat16():
@@ -110,7 +140,7 @@ def wide(tmp_path_factory):
 def _write(hf: Path, out: Path, mix: str, overrides=()) -> Path:
     """The file of `mix` (with per-tensor `overrides`); a flat importance matrix where an override needs one."""
     with open_model(hf) as src:
-        lattice = any(Q[t] in LATTICE for _, t in overrides)
+        lattice = any(t in {q.name for q in LATTICE} for _, t in overrides)
         plan = plan_gguf(src, mix, has_imatrix=lattice, overrides=list(overrides))
         flat = {t.gguf_name: torch.ones(t.shape[-1]) for t in plan.tensors if len(t.shape) == 2} if lattice else None
         return write_gguf(src, out, plan, importance=flat)
@@ -122,7 +152,8 @@ CASES = [("llama", m, ()) for m in ("F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1
 CASES += [("llama", "Q8_0", [("ffn_down", "MXFP4"), ("ffn_up", "NVFP4")]), ("qwen2", "Q8_0", ()), ("qwen2", "Q4_K_M", ())]
 CASES += [("llama", "Q8_0", [("ffn_down", "IQ3_XXS"), ("ffn_up", "IQ3_S"), ("ffn_gate", "IQ2_S"),
                              ("attn_output", "IQ1_M")]),
-          ("llama", "Q8_0", [("ffn_down", "IQ2_XXS"), ("ffn_up", "IQ2_XS"), ("ffn_gate", "IQ1_S")])]
+          ("llama", "Q8_0", [("ffn_down", "IQ2_XXS"), ("ffn_up", "IQ2_XS"), ("ffn_gate", "IQ1_S")]),
+          ("llama", "Q8_0", [("ffn_down", "Q1_0"), ("ffn_up", "Q2_0")])]
 IDS = [f"{f}-{m}{'+' + o[0][1] if o else ''}" for f, m, o in CASES]
 
 
@@ -184,7 +215,7 @@ def test_by_default_a_gguf_stays_quantized_only_when_dequantized_it_would_not_fi
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K,
-                                   Q.F16, Q.IQ4_NL, Q.IQ4_XS, *LATTICE])
+                                   Q.F16, Q.IQ4_NL, Q.IQ4_XS, *LATTICE, *CODES])
 def test_a_decode_step_takes_the_compiled_product(qtype, monkeypatch):
     """One input row: the compiled product over the stored fields (gguf_gemv.py), equal to the
     dequantized product up to float32 summation order; with a bias, and with a leading batch shape."""
@@ -256,7 +287,7 @@ def test_without_a_compiler_the_decode_step_takes_the_tile_path(monkeypatch, cap
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.F16, Q.IQ4_NL,
-                                   Q.IQ4_XS, Q.IQ3_XXS, Q.IQ2_XS, Q.IQ1_M])
+                                   Q.IQ4_XS, Q.IQ3_XXS, Q.IQ2_XS, Q.IQ1_M, Q.TQ1_0, Q.NVFP4])
 def test_linears_reading_one_input_stack_into_one_module(qtype):
     """q/k/v (or gate/up) of one layout become one module: its rows and products are the parts', stacked;
     parts of different layouts stay apart."""

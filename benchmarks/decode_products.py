@@ -22,7 +22,7 @@ import torch
 from llmopt.formats.gguf.blocks import pack
 from llmopt.model.ggml_types import GGML_TYPES_BY_ID, GGMLQuantType
 from llmopt.quant.grids import quantize
-from llmopt.runtime.gguf_linear import quantized_linear
+from llmopt.runtime.gguf_linear import RawGGUFLinear, quantized_linear
 
 TYPES = ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "F16", "IQ4_NL", "IQ4_XS",
          "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "Q1_0", "Q2_0",
@@ -55,7 +55,7 @@ def per_call_us(layers: list, x: torch.Tensor, seconds: float = 1.0) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def measure(qtype: str, rows: int, cols: int) -> dict | None:
+def measure(qtype: str, rows: int, cols: int, reference: bool = False) -> dict | None:
     if cols % GGML_TYPES_BY_ID[GGMLQuantType[qtype]].block:
         return None  # rows not a whole number of blocks (K types: 256)
     data = block_rows(qtype, rows, cols)
@@ -65,9 +65,14 @@ def measure(qtype: str, rows: int, cols: int) -> dict | None:
     dense = [torch.nn.Linear(cols, rows, bias=False) for _ in range(max(2, -(-CACHE_BYTES // (4 * rows * cols))))]
     with torch.no_grad():
         quantized, fp32 = per_call_us(layers, x), per_call_us(dense, x)
+        # gguf's numpy dequantizer per tile, then a dense product: the path every type without a module
+        # of its own takes (RawGGUFLinear); slow enough that two copies keep it out of cache
+        tiles = per_call_us([RawGGUFLinear(GGMLQuantType[qtype], data.clone(), None) for _ in range(2)], x) \
+            if reference else None
     return {"type": qtype, "shape": f"{rows}x{cols}", "module": type(layers[0]).__name__,
             "bytes": data.numel(), "quantized_us": round(quantized, 1), "fp32_us": round(fp32, 1),
-            "quantized_gb_s": round(data.numel() / quantized / 1e3, 2)}
+            "quantized_gb_s": round(data.numel() / quantized / 1e3, 2),
+            "numpy_tiles_us": None if tiles is None else round(tiles, 1)}
 
 
 def main() -> None:
@@ -76,6 +81,8 @@ def main() -> None:
     ap.add_argument("--types", default=",".join(TYPES), help="GGUF types, comma-separated (default: every one)")
     ap.add_argument("--shapes", default=",".join(f"{r}x{c}" for r, c in SHAPES),
                     help="weight shapes ROWSxCOLS, comma-separated")
+    ap.add_argument("--numpy-tiles", action="store_true",
+                    help="also time each type through gguf's numpy dequantizer per tile (RawGGUFLinear)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     types, shapes = args.types.split(","), args.shapes.split(",")
@@ -87,14 +94,15 @@ def main() -> None:
         ap.error(f"shape {bad[0]!r} is not ROWSxCOLS (e.g. 4096x4096)")
     torch.set_num_threads(args.threads)
     rows = []
-    print(f"{'type':<6}{'W':>12}  {'module':<16}{'quantized µs':>13}{'GB/s':>7}{'fp32 µs':>10}")
+    print(f"{'type':<8}{'W':>12}  {'module':<16}{'quantized µs':>13}{'GB/s':>7}{'fp32 µs':>10}"
+          + (f"{'numpy tiles µs':>16}" if args.numpy_tiles else ""))
     for qtype in types:
         for shape in shapes:
-            r = measure(qtype, *map(int, shape.split("x")))
+            r = measure(qtype, *map(int, shape.split("x")), reference=args.numpy_tiles)
             if r:
                 rows.append(r)
-                print(f"{qtype:<6}{r['shape']:>12}  {r['module']:<16}{r['quantized_us']:>13}{r['quantized_gb_s']:>7}"
-                      f"{r['fp32_us']:>10}", flush=True)
+                print(f"{qtype:<8}{r['shape']:>12}  {r['module']:<16}{r['quantized_us']:>13}{r['quantized_gb_s']:>7}"
+                      f"{r['fp32_us']:>10}" + (f"{r['numpy_tiles_us']:>16}" if args.numpy_tiles else ""), flush=True)
     print(json.dumps({"threads": args.threads, "products": rows}, indent=1))
     if args.json:
         with open(args.json, "w") as f:

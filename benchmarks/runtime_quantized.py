@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from proc_status import status_kib  # noqa: E402
 
 from llmopt.formats.gguf.mixes import MIXES as GGUF_MIXES  # noqa: E402
+from llmopt.formats.gguf.mixes import requires_imatrix  # noqa: E402
 from llmopt.formats.gguf.writer import plan_gguf, write_gguf  # noqa: E402
 from llmopt.model import open_model  # noqa: E402
 from llmopt.model.arch import ArchSpec  # noqa: E402
@@ -42,10 +43,21 @@ MIXES = ("Q4_0", "Q4_K_M", "Q8_0")
 PROMPT = "The history of the Roman Empire"
 
 
+def write_planned(src: ModelSource, mix: str, out: Path) -> None:
+    """`mix` written as llmopt writes it; a mix llama.cpp writes only with an importance matrix (IQ2_XXS, IQ1_M,
+    ...) gets a flat one: this benchmark times decoding, on which the matrix has no bearing."""
+    plan = plan_gguf(src, mix, has_imatrix=False)
+    flat = None
+    if any(requires_imatrix(t.gguf_name, t.type_name, mix) for t in plan.tensors):
+        plan = plan_gguf(src, mix, has_imatrix=True)
+        flat = {t.gguf_name: torch.ones(t.shape[-1]) for t in plan.tensors if len(t.shape) == 2}
+    write_gguf(src, out, plan, importance=flat)
+
+
 def write_mix(source_path: Path, mix: str, out: Path) -> Path:
     if not out.exists():
         with open_model(source_path) as src:
-            write_gguf(src, out, plan_gguf(src, mix, has_imatrix=False))
+            write_planned(src, mix, out)
     return out
 
 
@@ -167,7 +179,7 @@ def seven_b(work: Path, args: argparse.Namespace, mix: str) -> dict:
     path = work / f"random-llama-h{args.hidden}-l{args.layers}-{mix}.gguf"
     if not path.exists():
         t0 = time.perf_counter()
-        write_gguf(src, path, plan_gguf(src, mix, has_imatrix=False))
+        write_planned(src, mix, path)
         print(f"wrote {path} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     child = subprocess.run([sys.executable, __file__, "--child-7b", str(path), "--tokens", str(args.tokens),
                             "--threads", str(args.threads)], capture_output=True, text=True, check=True)

@@ -3,7 +3,8 @@
 Each group of 8 (IQ2, IQ1) or 4 (IQ3) values is the index of a codebook point, with 8 sign bits per 8
 values (IQ3_XXS/IQ2_XXS/IQ2_XS store 7 and the 8th evens the count) or, for IQ1, a shift of ±1/8, and one
 scale per sub-block of 32 or 16 values. A module holds the file's own fields (the same bytes, split by
-role: no memory beyond the file's) and reads them one way for both paths:
+role: no memory beyond the file's, but IQ1_M's float16 d joined from its four scale words) and reads them
+one way for both paths:
 
 * `values` rebuilds W's rows (prefill's tiles, a tied embedding's lookup), bit for bit gguf's
   dequantizer: W = (d·f(ls)) · level · sign, or d·f(ls) · (level ± 1/8).
@@ -12,8 +13,9 @@ role: no memory beyond the file's) and reads them one way for both paths:
 
 A point is looked up as one int32 of packed coordinates (`Lattice.kgrid`: 2 or 3 bits each), once per
 group, and its levels come out by arithmetic (`Level`): inductor gathers one value at a time, so one
-gather per 4 or 8 weights instead of one per weight. IQ3_XXS 4096x4096 from RAM, 2 threads: 6.0 ms,
-against 320 ms through gguf's numpy dequantizer and a dense product (docs/generate.md).
+gather per 4 or 8 weights instead of one per weight. 4096x4096 from RAM, 2 threads: 3.3-5.4 ms, against
+160-262 ms through gguf's numpy dequantizer and a dense product (benchmarks/decode_products.py
+--numpy-tiles; docs/generate.md).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmopt.model.ggml_types import GGMLQuantType
+from llmopt.model.ggml_types import GGML_TYPES_BY_ID, GGMLQuantType
 from llmopt.quant.grids.iq1 import IQ1_LATTICE
 from llmopt.quant.grids.iq_lattice import (IQ2_S_LATTICE, IQ2_XS_LATTICE, IQ2_XXS_LATTICE, IQ3_S_LATTICE,
                                            IQ3_XXS_LATTICE)
@@ -85,7 +87,6 @@ TYPES = {
     Q.IQ1_M: LatticeType(IQ1_LATTICE, _level(IQ1_LATTICE, -1, 1, 0), 16, 2.0, 1.0, 1.0, False),
 }
 TABLES = {q: t.table for q, t in TYPES.items()}
-BLOCK_BYTES = {Q.IQ3_XXS: 98, Q.IQ3_S: 110, Q.IQ2_XXS: 66, Q.IQ2_XS: 74, Q.IQ2_S: 82, Q.IQ1_S: 50, Q.IQ1_M: 56}
 
 
 def _view(b: torch.Tensor, start: int, stop: int, dtype: torch.dtype, *shape: int) -> torch.Tensor:
@@ -96,7 +97,7 @@ def _view(b: torch.Tensor, start: int, stop: int, dtype: torch.dtype, *shape: in
 def split_fields(qtype: GGMLQuantType, data: torch.Tensor) -> dict[str, torch.Tensor]:
     """Block bytes [out, bytes per row] -> the type's fields [out, blocks, ...] (ggml-common.h's block
     structs; IQ1_M's float16 d, spread over the top nibbles of its four scale words, joined here)."""
-    b = data.reshape(data.shape[0], -1, BLOCK_BYTES[qtype])
+    b = data.reshape(data.shape[0], -1, GGML_TYPES_BY_ID[qtype].nbytes)
     u8, i16, i32, f16 = torch.uint8, torch.int16, torch.int32, torch.float16
     if qtype == Q.IQ3_XXS:
         return {"d": _view(b, 0, 2, f16), "qs": _view(b, 2, 66, u8, 8, 4, 2), "aux": _view(b, 66, 98, i32, 8)}
@@ -239,7 +240,7 @@ def lattice_gemv(x: torch.Tensor, kind: str, table: torch.Tensor, *fields: torch
     qtype = Q[kind]
     names = FIELD_NAMES[qtype]
     parts = read_parts(qtype, dict(zip(names, fields)), table)
-    n, blocks = fields[0].shape[:2]
+    blocks = fields[0].shape[1]
     sub = TYPES[qtype].sub
     xs = x.reshape(blocks, QK // sub, sub // 8, 8, 1)
     inner = 0
@@ -248,7 +249,7 @@ def lattice_gemv(x: torch.Tensor, kind: str, table: torch.Tensor, *fields: torch
     return ((inner.sum(-2) * parts.scale).sum((1, 2))).reshape(-1)
 
 
-FIELD_NAMES = {q: tuple(split_fields(q, torch.zeros(1, BLOCK_BYTES[q], dtype=torch.uint8))) for q in TYPES}
+FIELD_NAMES = {q: tuple(split_fields(q, torch.zeros(1, GGML_TYPES_BY_ID[q].nbytes, dtype=torch.uint8))) for q in TYPES}
 
 
 class LatticeLinear(SplitFieldLinear):

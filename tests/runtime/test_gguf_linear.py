@@ -305,15 +305,19 @@ def test_linears_reading_one_input_stack_into_one_module(qtype):
     assert stacked([parts[0], quantized_linear(qtype, _blocks(qtype), None)]) is None  # with and without a bias
 
 
-def test_compiled_decode_step_of_a_model_kept_quantized_gives_eager_tokens(wide, tmp_path):
+@pytest.mark.parametrize(("mix", "overrides", "held"), [
+    ("Q4_K_M", [("attn_v", "Q8_0"), ("attn_q", "Q5_0")], {NibbleLinear, Int8GroupLinear, Q6KLinear}),
+    ("Q8_0", [("ffn_down", "IQ2_XS"), ("ffn_up", "MXFP4"), ("attn_output", "TQ1_0")], {LatticeLinear, CodeLinear}),
+], ids=["k-and-legacy", "lattice-and-codes"])
+def test_compiled_decode_step_of_a_model_kept_quantized_gives_eager_tokens(wide, tmp_path, mix, overrides, held):
     """`generate --compile` on a GGUF kept quantized: the products are traced into the step's graph
     (not called as separately compiled functions) and the quantized embedding is looked up outside it."""
     from llmopt.runtime.generate import Generator
 
-    path = _write(wide("llama"), tmp_path / "m.gguf", "Q4_K_M", [("attn_v", "Q8_0"), ("attn_q", "Q5_0")])
+    path = _write(wide("llama"), tmp_path / "m.gguf", mix, overrides)
     kept = load_model(str(path), "float32", "cpu", packed=True, gguf_quantized=True).model
     assert isinstance(kept.embed_tokens, RawGGUFEmbedding)
-    assert {type(m) for m in kept.modules()} >= {NibbleLinear, Int8GroupLinear, Q6KLinear}
+    assert {type(m) for m in kept.modules()} >= held
     prompt = [5, 17, 230, 9]
     eager = Generator(kept, None, eos=set()).generate(prompt, 8).token_ids
     assert Generator(kept, None, eos=set(), compile=True).generate(prompt, 8).token_ids == eager

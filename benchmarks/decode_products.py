@@ -75,6 +75,14 @@ def measure(qtype: str, rows: int, cols: int, reference: bool = False) -> dict |
             "numpy_tiles_us": None if tiles is None else round(tiles, 1)}
 
 
+def report(result: dict, path: str | None) -> None:
+    """Print the results as JSON, and write them to `path` if given."""
+    print(json.dumps(result, indent=1))
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
@@ -103,10 +111,7 @@ def main() -> None:
                 rows.append(r)
                 print(f"{qtype:<8}{r['shape']:>12}  {r['module']:<16}{r['quantized_us']:>13}{r['quantized_gb_s']:>7}"
                       f"{r['fp32_us']:>10}" + (f"{r['numpy_tiles_us']:>16}" if args.numpy_tiles else ""), flush=True)
-    print(json.dumps({"threads": args.threads, "products": rows}, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"threads": args.threads, "products": rows}, f, indent=1)
+    report({"threads": args.threads, "products": rows}, args.json)
 
 
 if __name__ == "__main__":

@@ -46,9 +46,10 @@ from llmopt.runtime.int4 import KERNEL_DTYPE, PackedInt4Linear, kernel_shape_ok
 Q = GGMLQuantType
 IQ4_LEVELS = torch.tensor(IQ4_VALUES, dtype=torch.float32)  # IQ4Linear's tiles look the levels up
 # Float weights rebuilt per tile of rows, about this many bytes: small enough to stay in cache while the
-# product reads it. SmolLM2's LM head (49152 x 576, Q8_0, 1 thread, loaded machine): 377 ms a token
-# rebuilt whole, 30 ms in 512-row tiles, 19 ms as a float32 weight.
-TILE_BYTES = 1 << 20
+# product reads it, large enough that the rebuild's eager ops and the tiles' products are not many small
+# calls. A 7B's 11008x4096 Q4_0 over 256 rows, 2 threads: 230 ms in 1 MB tiles, 187 in 8, 196 in 16,
+# dense float32 203; IQ2_XS 771, 403, 387 (benchmarks/prefill_tiles.py, docs/generate.md).
+TILE_BYTES = 8 << 20
 # Rows a FieldLinear holds side by side (`interleave`): its compiled decode product then sums each
 # group down the rows' lanes, one float32 vector of 16 (AVX-512) or two (AVX2) per step, with no
 # horizontal sums. Q4_0 3072x576 from RAM, 2 threads: 155 us against 192 row by row (docs/generate.md).

@@ -52,20 +52,23 @@ def test_greedy_64_tokens_equal_the_dequantized_model(smollm2_files, mix, cls):
     assert compiled_products_work()  # the decode steps took the compiled products, not the tile path
 
 
-# the types llmopt writes beyond the mixes above, each on three layers' ffn_down (the 1536-wide rows that
-# 256-value blocks fit; SmolLM2's 576-wide ones do not), and the 32/64-value ones on ten layers' 576-wide rows
-LOW_BIT_DOWN = ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "Q1_0")
-LOW_BIT = [(rf"blk\.({3 * i}|{3 * i + 1}|{3 * i + 2})\.ffn_down", t) for i, t in enumerate(LOW_BIT_DOWN)]
-LOW_BIT += [(r"blk\.\d\.ffn_up", "MXFP4"), (r"blk\.1\d\.ffn_gate", "NVFP4"), (r"blk\.2\d\.attn_output", "Q2_0")]
+# the types llmopt writes beyond the mixes above, one a layer on ffn_down (the 1536-wide rows that 256-value
+# blocks fit; SmolLM2's 576-wide ones do not), and the 32/64-value ones on three layers' 576-wide rows each,
+# on layers whose loss the model bears (on layers 0-10 it repeats a token); the rest stays Q8_0
+LOW_BIT_DOWN = ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "Q1_0", "IQ4_XS")
+LOW_BIT = [(rf"blk\.{i}\.ffn_down", t) for i, t in enumerate(LOW_BIT_DOWN, start=16)]
+LOW_BIT += [(r"blk\.[5-7]\.ffn_up", "MXFP4"), (r"blk\.(8|9|10)\.ffn_gate", "NVFP4"),
+            (r"blk\.1[1-3]\.attn_output", "Q2_0"), (r"blk\.[2-4]\.attn_q", "IQ4_NL")]
 
 
 @pytest.mark.slow
 def test_every_lattice_and_code_type_decodes_the_dequantized_tokens(smollm2_gguf, tmp_path):
-    """IQ3/IQ2/IQ1, ternary, Q1_0/Q2_0 and FP4 weights kept quantized (gguf_lattice.py, gguf_codes.py): 64
-    greedy tokens equal the dequantized model's. The file is written with a flat importance matrix, which
+    """IQ3/IQ2/IQ1, ternary, Q1_0/Q2_0, FP4 and IQ4 weights kept quantized (gguf_lattice.py, gguf_codes.py,
+    IQ4Linear): 64 greedy tokens equal the dequantized model's. The file is written with a flat importance matrix, which
     the i-quants below IQ3_S need (speed and exactness only: the text is not meant to be good)."""
     from llmopt.runtime.gguf_codes import CodeLinear
     from llmopt.runtime.gguf_lattice import LatticeLinear
+    from llmopt.runtime.gguf_linear import IQ4Linear
 
     out = tmp_path / "smollm2-low-bit.gguf"
     with open_model(smollm2_gguf) as src:
@@ -75,8 +78,10 @@ def test_every_lattice_and_code_type_decodes_the_dequantized_tokens(smollm2_gguf
     kept = load_model(str(out), "float32", "cpu", packed=True, gguf_quantized=True)
     dense = load_model(str(out), "float32", "cpu", packed=False)
     held = {m.kind for m in kept.model.modules() if isinstance(m, (LatticeLinear, CodeLinear))}
-    assert held == {*LOW_BIT_DOWN, "MXFP4", "NVFP4", "Q2_0"}
+    assert held == {*LOW_BIT_DOWN, "MXFP4", "NVFP4", "Q2_0"} - {"IQ4_XS"}
+    iq4 = {m.per for m in kept.model.modules() if isinstance(m, IQ4Linear)}
+    assert iq4 == {1, 8}  # IQ4_NL: a d per group of 32; IQ4_XS: per 8 groups
     a = generate(kept, PROMPT, max_tokens=64, ignore_eos=True).token_ids
     b = generate(dense, PROMPT, max_tokens=64, ignore_eos=True).token_ids
-    assert len(a) == 64 and a == b and len(set(a)) > 8  # (not one token repeated)
+    assert len(a) == 64 and a == b and len(set(a)) > 20  # (varied text: 42 distinct tokens when written)
     assert compiled_products_work()

@@ -2,7 +2,8 @@
 gives the dequantized model's tokens (float32 compute; decode steps through the compiled products of
 runtime/gguf_gemv.py), and memory holds about the file. Between them the mixes hold every type with a
 compiled product but Q2_K (SmolLM2's 576-wide rows fall back from it; the random models of
-test_gguf_linear.py carry it): Q4_0, Q5_1, Q5_K, Q4_K, Q5_0, Q3_K, Q6_K, Q8_0, F16."""
+test_gguf_linear.py carry it): Q4_0, Q5_1, Q5_K, Q4_K, Q5_0, Q3_K, Q6_K, Q8_0, F16; the last test puts every
+other type llmopt writes on some layers (gguf_lattice.py, gguf_codes.py, IQ4)."""
 
 from __future__ import annotations
 

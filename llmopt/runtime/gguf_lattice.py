@@ -121,7 +121,9 @@ def split_fields(qtype: GGMLQuantType, data: torch.Tensor) -> dict[str, torch.Te
         scales = _view(b, 48, 56, i16, 4)
         top = (scales.to(torch.int32) & 0xF000) >> torch.tensor([12, 8, 4, 0], dtype=torch.int32)
         d = (top[..., 0] | top[..., 1] | top[..., 2] | top[..., 3]).to(i16).view(f16)
-        return {"d": d, "qs": _view(b, 0, 32, u8, 16, 2), "qh": _view(b, 32, 48, u8, 16), "scales": scales}
+        words = _view(b, 48, 56, u8, 4, 2)  # (as bytes: see IQ2_XS)
+        return {"d": d, "qs": _view(b, 0, 32, u8, 16, 2), "qh": _view(b, 32, 48, u8, 16), "sc": words[..., 0],
+                "sc_hi": words[..., 1]}
     raise ValueError(f"{qtype.name} is not a lattice type")
 
 
@@ -163,7 +165,7 @@ def read_parts(qtype: GGMLQuantType, f: dict[str, torch.Tensor], table: torch.Te
         shifts = torch.arange(0, 28, 7, dtype=i32, device=aux.device).reshape(4, 1)
         signs = (aux[..., None, :] >> shifts) & 127  # [.., blocks, 8, 4, L]
         scale = _sub_scale(t, f["d"], (aux >> 28) & 15)
-        qs = f["qs"]
+        qs = f["qs"].to(i32)
         points = [look(qs[..., 0, :]), look(qs[..., 1, :])] if qtype == Q.IQ3_XXS else [look(qs)]
         return Parts(points, signs, None, scale)
     if qtype in (Q.IQ2_XS, Q.IQ2_S):
@@ -193,7 +195,8 @@ def read_parts(qtype: GGMLQuantType, f: dict[str, torch.Tensor], table: torch.Te
         nib = _nibbles(f["qh"]).reshape(*f["qh"].shape[:-1], 2, f["qh"].shape[-1])  # [.., blocks, 16, 2, L]
         index = f["qs"].to(i32) | ((nib & 7) << 8)
         shift = 0.125 - 0.25 * ((nib >> 3) & 1).float()
-        sc = f["scales"].to(i32)  # [.., blocks, 4, L]: 4 x 3 scale bits each (and d's nibble, read at load)
+        sc = f["sc"].to(i32) | (f["sc_hi"].to(i32) << 8)  # [.., blocks, 4, L]: 4 x 3 scale bits each (and d's
+        # nibble, read at load)
         shifts = torch.arange(0, 12, 3, dtype=i32, device=sc.device).reshape(4, 1)
         ls = ((sc[..., None, :] >> shifts) & 7).reshape(*sc.shape[:-2], 16, sc.shape[-1])
         return Parts([look(index)], None, shift, _sub_scale(t, f["d"], ls))

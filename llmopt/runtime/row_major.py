@@ -159,6 +159,8 @@ def fuse_shared_inputs(model: Decoder, fuse: Callable[[list[nn.Module]], nn.Modu
         if hasattr(mlp, "gate_up"):  # a dense MLP (a MoE block's experts, "mlp" in Qwen2-MoE, have no gate_up)
             groups.append((mlp, "gate_up", ("gate_proj", "up_proj")))
         for owner, fused_name, names in groups:
+            if getattr(owner, fused_name, None) is not None:  # fused already (a GPTQ model's bit planes)
+                continue
             if (fused := fuse([getattr(owner, n) for n in names])) is not None:
                 setattr(owner, fused_name, fused)
                 for n in names:

@@ -26,6 +26,7 @@ from llmopt.model.quantized_dir import PackedDirSource
 from llmopt.runtime.arena import pack_contiguously
 from llmopt.runtime.gguf_linear import (RawGGUFEmbedding, TiedQuantizedEmbedding, kept_quantized, quantized_linear,
                                         raw_rows, stacked)
+from llmopt.runtime import group_int
 from llmopt.runtime.int4 import PackedInt4Linear, packable
 from llmopt.runtime.row_major import fuse_shared_inputs, use_row_major_linears
 from llmopt.quantized_tensor import QuantizedTensor
@@ -117,7 +118,7 @@ def _packed_decoder(source: PackedDirSource, dtype: torch.dtype, device: torch.d
         module = name.removesuffix(".weight")
         if packed and name.endswith(".weight") and module in source.modules:
             qt = source.quantized(module)
-            if packable(qt, device):
+            if packable(qt, device) or (device.type == "cpu" and group_int.kept(qt)):
                 kept[hf_to_param_name(module)] = qt
                 continue
         state[hf_to_param_name(name)] = source.load(name, dtype=torch.float32).to(device=device, dtype=dtype)
@@ -125,7 +126,10 @@ def _packed_decoder(source: PackedDirSource, dtype: torch.dtype, device: torch.d
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state, strict=False, assign=True)
     for path, qt in kept.items():
-        _replace(model, path, PackedInt4Linear.from_quantized(qt, model.get_submodule(path).bias))
+        bias = model.get_submodule(path).bias
+        _replace(model, path, PackedInt4Linear.from_quantized(qt, bias) if packable(qt, device)
+                 else group_int.GroupIntLinear(qt, bias))
+    fuse_shared_inputs(model, stacked)  # bit planes of one layout (the float linears fuse later)
     return _finished(model, source, device)
 
 

@@ -1,4 +1,5 @@
-"""GPTQ checkpoints written by `llmopt quantize` run in the runtime: packed int4 kernel and dequantized."""
+"""GPTQ checkpoints written by `llmopt quantize` run in the runtime: packed int4 kernel, bit planes
+(runtime/group_int.py) and dequantized."""
 
 import json
 
@@ -7,6 +8,7 @@ import torch
 
 from llmopt.model import open_model
 from llmopt.model.decoder import Decoder
+from llmopt.runtime.group_int import GroupIntLinear
 from llmopt.runtime.int4 import PackedInt4Linear
 from llmopt.runtime.weights import load_model
 
@@ -36,14 +38,29 @@ def test_packed_int4_equals_dequantized_within_bfloat16(gptq_dirs):
 
 
 def test_dequantized_gptq_is_the_source_weights(gptq_dirs):
-    """The runtime's GPTQ model holds exactly the weights the GPTQ source dequantizes."""
-    model = load_model(str(gptq_dirs["w3"]), "float32", "cpu").model
+    """The runtime's GPTQ model dequantized (`--dequantize`) holds exactly the weights the GPTQ source
+    dequantizes."""
+    model = load_model(str(gptq_dirs["w3"]), "float32", "cpu", packed=False).model
     with open_model(gptq_dirs["w3"]) as src:
         ref = Decoder.from_source(src)
     ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(model(ids), ref(ids))
-    assert not any(isinstance(m, PackedInt4Linear) for m in model.modules())
+    assert not any(isinstance(m, (PackedInt4Linear, GroupIntLinear)) for m in model.modules())
+
+
+def test_three_bit_gptq_stays_in_bit_planes_with_the_dequantized_logits(gptq_dirs):
+    """3 bits (the int4 kernel's 4 do not apply): every block linear held as bit planes, the logits the
+    dequantized model's within float32 rounding of the summation order."""
+    kept = load_model(str(gptq_dirs["w3"]), "float32", "cpu").model
+    dense = load_model(str(gptq_dirs["w3"]), "float32", "cpu", packed=False).model
+    a = kept.arch  # q/k/v and gate/up stacked
+    block_rows = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim + 2 * a.hidden_size + 2 * a.intermediate_size
+    assert sum(m.out_features for m in kept.modules() if isinstance(m, GroupIntLinear)) == a.num_layers * block_rows
+    ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = kept(ids), dense(ids)
+    assert (a - b).abs().max() <= 1e-3 * b.abs().max()
 
 
 def test_cli_generate_and_eval_on_gptq(llmopt_here, gptq_dirs, tiny_models, tmp_path):
@@ -59,3 +76,27 @@ def test_cli_generate_and_eval_on_gptq(llmopt_here, gptq_dirs, tiny_models, tmp_
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout)
     assert result["kl_divergence"] > 0 and result["top1_agreement"] > 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [3, 8])
+def test_smollm2_gptq_in_bit_planes_decodes_the_dequantized_tokens(smollm2_hf, tmp_path, bits):
+    """SmolLM2 as a 3- and an 8-bit GPTQ checkpoint (RTN, group 64) kept as bit planes: 64 greedy tokens
+    equal the dequantized model's, holding about the checkpoint's bits."""
+    from llmopt.api.generate import generate
+    from llmopt.cli.app import main
+
+    out = tmp_path / f"w{bits}"
+    assert main(["quantize", str(smollm2_hf), "-o", str(out), "--method", "rtn", "--bits", str(bits),
+                 "--group-size", "64", "--json"]) == 0
+    kept = load_model(str(out), "float32", "cpu")
+    dense = load_model(str(out), "float32", "cpu", packed=False)
+    planes = [m for m in kept.model.modules() if isinstance(m, GroupIntLinear)]
+    assert len(planes) == 30 * 4  # per layer: q/k/v stacked, o, gate/up stacked, down
+    held = sum(b.numel() * b.element_size() for m in planes for b in m.buffers())
+    weights = sum(m.out_features * m.in_features for m in planes)
+    assert held * 8 / weights < bits + 0.5  # bits per weight, with a float16 scale and a zero per 64
+    prompt = "The history of the Roman Empire"
+    a = generate(kept, prompt, max_tokens=64, ignore_eos=True).token_ids
+    b = generate(dense, prompt, max_tokens=64, ignore_eos=True).token_ids
+    assert len(a) == 64 and a == b and len(set(a)) > 20

@@ -475,6 +475,10 @@ class SplitFieldLinear(FieldLinear):
         self.out_features, self.in_features = data.shape[0], data.shape[1] // size * block
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
+    @property
+    def qtype(self) -> GGMLQuantType:
+        return Q[self.kind]
+
     def fields(self) -> tuple:
         return (self.kind, self.table(Q[self.kind]), *(self._buffers[n] for n in self.names))
 

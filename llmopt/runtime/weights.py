@@ -23,10 +23,10 @@ from llmopt.model import ModelSource, TokenizerInfo, open_model
 from llmopt.model.decoder import Decoder, Rotary, hf_to_param_name
 from llmopt.model.gguf_file import GGUFSource
 from llmopt.model.quantized_dir import PackedDirSource
+from llmopt.runtime import group_int
 from llmopt.runtime.arena import pack_contiguously
 from llmopt.runtime.gguf_linear import (RawGGUFEmbedding, TiedQuantizedEmbedding, kept_quantized, quantized_linear,
                                         raw_rows, stacked)
-from llmopt.runtime import group_int
 from llmopt.runtime.int4 import PackedInt4Linear, packable
 from llmopt.runtime.row_major import fuse_shared_inputs, use_row_major_linears
 from llmopt.quantized_tensor import QuantizedTensor

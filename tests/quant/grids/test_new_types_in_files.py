@@ -63,14 +63,14 @@ def test_iq1_tensors_read_back_as_the_grids_values(iq1_file) -> None:
 
 
 def test_runtime_keeps_iq1_quantized_with_the_dequantized_logits(iq1_file) -> None:
-    from llmopt.runtime.gguf_linear import RawGGUFLinear
+    from llmopt.runtime.gguf_lattice import LatticeLinear
     from llmopt.runtime.weights import load_model
 
     _, path, _ = iq1_file
     kept = load_model(str(path), "float32", "cpu", packed=True, gguf_quantized=True).model
     dense = load_model(str(path), "float32", "cpu", packed=False).model
-    raw = [m for m in kept.modules() if isinstance(m, RawGGUFLinear)]
-    assert {str(m.qtype.name) for m in raw} >= {"IQ1_S", "IQ1_M"}
+    held = [m for m in kept.modules() if isinstance(m, LatticeLinear)]
+    assert {m.qtype.name for m in held} >= {"IQ1_S", "IQ1_M"}
     ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a, b = kept(ids), dense(ids)

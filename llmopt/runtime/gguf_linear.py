@@ -21,9 +21,9 @@ Each 2-D weight of a quantized (or F16) type takes one of these paths:
 
 A batch-1 decode step's input to the float paths but RawGGUFLinear (any float dtype) takes a compiled
 product over the stored fields instead (gguf_gemv.py, gguf_lattice.py, gguf_codes.py; equal to float32
-rounding; per type and shape against a float32 weight: benchmarks/decode_products.py, docs/generate.md). Embeddings keep the block bytes and
-dequantize only the looked-up rows. Peak memory is the quantized weights plus one tile of float rows
-(TILE_BYTES).
+rounding; per type and shape against a float32 weight: benchmarks/decode_products.py, docs/generate.md).
+Embeddings keep the block bytes and dequantize only the looked-up rows. Peak memory is the quantized
+weights plus one tile of float rows (TILE_BYTES).
 """
 
 from __future__ import annotations
@@ -191,6 +191,7 @@ class FieldLinear(nn.Module):
     the tiles where it cannot compile."""
 
     gemv: Callable[..., torch.Tensor]
+    shared: tuple[str, ...] = ()  # buffers of the whole layer, not per row: stacked parts must hold equal ones
     _bound: tuple[tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]] | None = None  # (buffer ids, product)
     bias: nn.Parameter | None
     out_features: int
@@ -545,12 +546,18 @@ def stacked(modules: list[nn.Module]) -> nn.Module | None:
     layout = _layout(first)
     if any(_layout(m) != layout for m in modules):
         return None
+    if any(not torch.equal(m._buffers[n], first._buffers[n]) for n in first.shared if first._buffers[n] is not None
+           for m in modules):  # fmt: skip
+        return None
     fused = type(first).__new__(type(first))
     nn.Module.__init__(fused)
     vars(fused).update(layout[1])
     fused.out_features = sum(m.out_features for m in modules)
     made: dict[int, torch.Tensor] = {}  # by the first part's buffer: one that is another (Q4_0's b is its a) stays one
     for name, buf in first._buffers.items():
+        if name in first.shared:
+            fused.register_buffer(name, buf)
+            continue
         if buf is not None and id(buf) not in made:
             made[id(buf)] = interleave(torch.cat([lane_rows(m._buffers[name], slice(0, m.out_features))
                                                   for m in modules]))

@@ -7,7 +7,8 @@ Reading a field is a mask and an exact power-of-two scale (AVX-512 has no byte s
 decode product (`group_int_gemv`, compiled by inductor like the GGUF products, gguf_gemv.bind_product)
 sums q·x per group of 32 and scales per quantization group without building W; prefill's tiles rebuild
 W's rows as the source dequantizes them, (q - z)·s in float32 (QuantizedTensor.dequantize: bit for bit).
-Layers with act-order (a column permutation) and input widths that are no multiple of 32 are
+An act-order layer (g_idx, a column permutation) holds its columns sorted by group and permutes its input
+to match, one gather of the activations per call. Input widths that are no multiple of 32 are
 dequantized instead (runtime/weights.py).
 """
 
@@ -22,13 +23,26 @@ GROUP = 32  # inputs per packed group
 PLANES = {2: (2,), 3: (2, 1), 4: (4,), 8: (8,)}  # bits -> the bit planes that hold them, low bits first
 
 
+def _group_size(qt: QuantizedTensor) -> int:
+    return qt.shape[1] if qt.group_size <= 0 else qt.group_size
+
+
+def input_order(qt: QuantizedTensor) -> torch.Tensor | None:
+    """The columns sorted by group (act-order's g_idx), None where they are in group order already."""
+    g = qt.group_index()
+    if torch.equal(g, torch.arange(qt.shape[1]) // _group_size(qt)):
+        return None
+    return torch.sort(g, stable=True).indices
+
+
 def kept(qt: QuantizedTensor) -> bool:
-    """Whether GroupIntLinear holds this layer: contiguous groups (no act-order), whole groups of 32 inputs,
-    a zero point per group (GPTQ, AWQ), a bit count it packs."""
-    out_f, in_f = qt.shape
-    gs = in_f if qt.group_size <= 0 else qt.group_size
+    """Whether GroupIntLinear holds this layer: whole groups of 32 inputs, each quantization group `group_size`
+    columns (in order, or any order: act-order), a zero point per group (GPTQ, AWQ), a bit count it packs."""
+    in_f = qt.shape[1]
+    gs = _group_size(qt)
     return (qt.bits in PLANES and qt.zeros is not None and qt.mins is None and in_f % GROUP == 0
-            and gs % GROUP == 0 and in_f % gs == 0 and torch.equal(qt.group_index(), torch.arange(in_f) // gs))
+            and gs % GROUP == 0 and in_f % gs == 0
+            and torch.equal(torch.sort(qt.group_index()).values, torch.arange(in_f) // gs))
 
 
 def pack_plane(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -76,9 +90,11 @@ def group_int_gemv(x: torch.Tensor, bits: int, per: int, scales: torch.Tensor, z
 
 class GroupIntLinear(FieldLinear):
     """A GPTQ/AWQ layer of 2, 3, 4 or 8 bits held as bit planes, float scales and integer zero points (see
-    the module), LANES rows interleaved."""
+    the module), LANES rows interleaved. An act-order layer holds its columns sorted by group and the order
+    (`order`), and takes its input in that order: its `rows` are W's columns in that order too."""
 
     gemv = staticmethod(group_int_gemv)
+    shared = ("order",)
 
     def __init__(self, qt: QuantizedTensor, bias: torch.Tensor | None):
         super().__init__()
@@ -86,13 +102,20 @@ class GroupIntLinear(FieldLinear):
         self.bits = qt.bits
         scales = qt.scales if qt.scales.dtype in (torch.float16, torch.bfloat16) else qt.scales.float()
         self.per = self.in_features // GROUP // scales.shape[1]
+        order = input_order(qt)
+        self.register_buffer("order", order)
         codes, low = qt.codes.to(torch.int32), PLANES[qt.bits][0]
+        if order is not None:
+            codes = codes[:, order]
         self.register_rows("plane", pack_plane(codes & ((1 << low) - 1), low))
         self.register_rows("plane_hi", pack_plane(codes >> low, 1) if len(PLANES[qt.bits]) > 1 else None)
         self.register_rows("scales", scales)
         zeros = qt.zeros.to(torch.int32)  # (a GPTQ v1 zero of 256 at 8 bits does not fit a byte)
         self.register_rows("zeros", zeros.to(torch.uint8 if int(zeros.max()) < 256 else torch.int16))
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x if self.order is None else x.index_select(-1, self.order))
 
     def fields(self) -> tuple:
         planes = (self.plane,) if self.plane_hi is None else (self.plane, self.plane_hi)

@@ -5,8 +5,8 @@ per group, so the same weights are expressed with m = (8 - z) * s (GGUF's Q4_0/Q
 gguf_linear.py). s and m are held in bfloat16, so a scale is exact only where its value fits bfloat16's
 8-bit mantissa (GPTQ/AWQ written by llmopt store float16 scales: not always). The kernel needs plain
 contiguous groups (no act-order permutation), 4 bits, and a group size it tiles (32..256) that
-divides the input width; other layers are held as bit planes where they can be (group_int.py) and
-dequantized otherwise. On CUDA the runtime dequantizes (the CUDA kernel takes a different packing and
+divides the input width; other layers (act-order ones too) are held as bit planes where they can be
+(group_int.py) and dequantized otherwise. On CUDA the runtime dequantizes (the CUDA kernel takes a different packing and
 has not been validated here).
 """
 

@@ -43,9 +43,10 @@ def test_rows_are_the_source_dequantization_and_a_step_takes_the_compiled_produc
     assert len(calls) == 1 and gguf_gemv.compiled_products_work()
 
 
-def test_act_order_odd_widths_and_no_zero_points_are_left_to_dequantize():
+def test_odd_widths_uneven_groups_and_no_zero_points_are_left_to_dequantize():
     assert kept(_qt(3, 32)) and kept(_qt(4, 512)) and kept(_qt(8, -1))
-    assert not kept(_qt(3, 32, g_idx=torch.randperm(512) // 32))  # act-order: columns permuted
+    assert kept(_qt(3, 32, g_idx=torch.randperm(512) // 32))  # act-order: columns permuted
+    assert not kept(_qt(3, 32, g_idx=torch.randint(0, 16, (512,))))  # groups of other sizes
     assert not kept(_qt(3, 32, cols=528))  # not whole groups of 32
     assert not kept(_qt(3, 48, cols=480))
     sym = _qt(3, 32)
@@ -61,3 +62,26 @@ def test_layers_reading_one_input_stack():
     for x in (torch.randn(1, 512), torch.randn(5, 512)):
         torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], dim=-1), rtol=1e-5, atol=1e-5)
     assert stacked([parts[0], GroupIntLinear(_qt(4, 64, out=16), None)]) is None  # another bit count
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_act_order_layer_takes_its_input_in_group_order(bits):
+    """An act-order layer (g_idx a permutation of whole groups) holds its columns sorted by group and
+    permutes its input: the same products as the dequantized weight, in prefill and in a decode step.
+    Parts of one order stack; parts of different orders do not."""
+    order = torch.randperm(512, generator=torch.Generator().manual_seed(5))
+    qt = _qt(bits, 64, g_idx=order // 64)
+    layer = GroupIntLinear(qt, None)
+    ref = qt.dequantize()
+    assert layer.order is not None and torch.equal(layer.rows(slice(0, 40)), ref[:, layer.order])
+    x = torch.randn(3, 512)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x[:, layer.order], ref[:, layer.order]))
+    torch.testing.assert_close(layer(x), x @ ref.t(), rtol=1e-5, atol=1e-5)
+    one = torch.randn(1, 512)
+    torch.testing.assert_close(layer(one), one @ ref.t(), rtol=1e-5, atol=1e-5 * float((one @ ref.t()).abs().max()))
+    same = GroupIntLinear(_qt(bits, 64, out=16, seed=2, g_idx=order // 64), None)
+    fused = stacked([layer, same])
+    assert fused is not None and torch.equal(fused.order, layer.order)
+    torch.testing.assert_close(fused(one), torch.cat([layer(one), same(one)], dim=-1), rtol=1e-5, atol=1e-5)
+    other = GroupIntLinear(_qt(bits, 64, out=16, seed=2, g_idx=torch.randperm(512) // 64), None)
+    assert stacked([layer, other]) is None and stacked([layer, GroupIntLinear(_qt(bits, 64, out=16), None)]) is None

@@ -20,8 +20,8 @@ import torch
 from llmopt.model.ggml_types import GGML_TYPES_BY_ID, GGMLQuantType
 from llmopt.quant.grids.codebooks import FP4_VALUES
 from llmopt.quant.grids.fp4 import half_scale, ue4m3_half
-from llmopt.runtime.gguf_gemv import level_polynomial, polynomial_levels
-from llmopt.runtime.gguf_linear import SplitFieldLinear
+from llmopt.runtime.gguf_gemv import bit_field, level_polynomial, polynomial_levels
+from llmopt.runtime.gguf_linear import SplitFieldLinear, block_field, split_names
 
 Q = GGMLQuantType
 I32 = torch.int32
@@ -44,12 +44,16 @@ def fp4_levels(codes: torch.Tensor, unit: int = 1) -> torch.Tensor:
 
 
 def _view(b: torch.Tensor, start: int, stop: int, *shape: int) -> torch.Tensor:
-    """Bytes [start, stop) of each block [out, blocks, size], shaped [out, blocks, *shape]."""
-    return b[:, :, start:stop].clone(memory_format=torch.contiguous_format).reshape(*b.shape[:2], *shape)
+    return block_field(b, start, stop, torch.uint8, *shape)
 
 
 def _half(b: torch.Tensor, at: int) -> torch.Tensor:
-    return _view(b, at, at + 2, 2).view(torch.float16)[..., 0]
+    return block_field(b, at, at + 2, torch.float16)
+
+
+def table_of(qtype: GGMLQuantType) -> torch.Tensor:
+    """The type's scale table (MXFP4, NVFP4), or a placeholder for the float16 scales."""
+    return BYTE_SCALES.get(qtype, NO_TABLE)
 
 
 def split_fields(qtype: GGMLQuantType, data: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -78,12 +82,6 @@ class Segment:
     dim: int
 
 
-def _masked(q: torch.Tensor, bits: int, k: int) -> torch.Tensor:
-    """Field k of `bits` bits of each byte, as float (a mask, then an exact power-of-two scale)."""
-    mask = ((1 << bits) - 1) << bits * k
-    return (q & mask).float() * 2.0 ** (-bits * k)
-
-
 def _trits(q: torch.Tensor, digits: int) -> list[torch.Tensor]:
     """TQ1_0's base-3 digits of each byte, -1 for 0 (ggml: ((uint8(q · 3^k)) · 3) >> 8, less 1)."""
     q = q.to(I32)
@@ -93,15 +91,15 @@ def _trits(q: torch.Tensor, digits: int) -> list[torch.Tensor]:
 def read(qtype: GGMLQuantType, f: dict[str, torch.Tensor], table: torch.Tensor) -> tuple[list[Segment], torch.Tensor]:
     """The type's fields, each [..., blocks, *rest, L] -> its value segments and the scales [..., blocks, S, L]."""
     if qtype == Q.TQ2_0:  # value 128 h + 32 s + l: bits 2s of byte 32 h + l, less 1
-        return [Segment([_masked(f["qs"], 2, s) - 1 for s in range(4)], -3)], f["d"].float()[..., None, :]
+        return [Segment([bit_field(f["qs"], 2, s) - 1 for s in range(4)], -3)], f["d"].float()[..., None, :]
     if qtype == Q.TQ1_0:  # 160 values from 32 bytes (5 digits), 80 from 16, 16 from 4 (4 digits)
         segments = [Segment(_trits(f["qs0"], 5), -3), Segment(_trits(f["qs1"], 5), -3),
                     Segment(_trits(f["qh"], 4), -3)]  # fmt: skip
         return segments, f["d"].float()[..., None, :]
     if qtype == Q.Q1_0:  # value j: bit j % 8 of byte j / 8, ±1
-        return [Segment([_masked(f["qs"], 1, t) * 2 - 1 for t in range(8)], -2)], f["d"].float()[..., None, :]
+        return [Segment([bit_field(f["qs"], 1, t) * 2 - 1 for t in range(8)], -2)], f["d"].float()[..., None, :]
     if qtype == Q.Q2_0:  # value j: bits 2 (j % 4) of byte j / 4, less 1
-        return [Segment([_masked(f["qs"], 2, s) - 1 for s in range(4)], -2)], f["d"].float()[..., None, :]
+        return [Segment([bit_field(f["qs"], 2, s) - 1 for s in range(4)], -2)], f["d"].float()[..., None, :]
     if qtype == Q.MXFP4:  # values 0..15 the low nibbles, 16..31 the high ones
         pieces = [fp4_levels(f["qs"] & 15 << 4 * h, 16**h) for h in range(2)]
         return [Segment(pieces, -3)], table[f["e"].long()]
@@ -113,7 +111,7 @@ def read(qtype: GGMLQuantType, f: dict[str, torch.Tensor], table: torch.Tensor) 
 
 def values(qtype: GGMLQuantType, fields: dict[str, torch.Tensor]) -> torch.Tensor:
     """Float32 W [rows, in] from the fields of some rows [rows, blocks, ...], bit for bit gguf's."""
-    segments, scale = read(qtype, {k: v[..., None] for k, v in fields.items()}, BYTE_SCALES.get(qtype, NO_TABLE))
+    segments, scale = read(qtype, {k: v[..., None] for k, v in fields.items()}, table_of(qtype))
     codes = torch.cat([torch.stack(s.pieces, dim=s.dim).flatten(3, -2) for s in segments], dim=3)  # [n, blocks, S, v]
     return (scale[..., None, :] * codes + 0.0).reshape(codes.shape[0], -1)  # (+ 0.0: a rounded -0 level is +0)
 
@@ -138,8 +136,7 @@ def code_gemv(x: torch.Tensor, kind: str, table: torch.Tensor, *fields: torch.Te
 
 
 TYPES = (Q.TQ1_0, Q.TQ2_0, Q.Q1_0, Q.Q2_0, Q.MXFP4, Q.NVFP4)
-FIELD_NAMES = {q: tuple(split_fields(q, torch.zeros(1, GGML_TYPES_BY_ID[q].nbytes, dtype=torch.uint8)))
-               for q in TYPES}
+FIELD_NAMES = split_names(split_fields, TYPES)
 
 
 class CodeLinear(SplitFieldLinear):
@@ -148,4 +145,5 @@ class CodeLinear(SplitFieldLinear):
     gemv = staticmethod(code_gemv)
     split_fields = staticmethod(split_fields)
     values = staticmethod(values)
-    table = staticmethod(lambda qtype: BYTE_SCALES.get(qtype, NO_TABLE))
+    table = staticmethod(table_of)
+    field_names = FIELD_NAMES

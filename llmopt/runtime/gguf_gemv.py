@@ -43,6 +43,13 @@ def fifth_bits(high: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return (high >> torch.arange(32, dtype=torch.int32, device=high.device).reshape(shape)) & 1
 
 
+def bit_field(q: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """Field k of `bits` bits of each byte of `q`, as float: a mask, then an exact power-of-two scale (AVX-512
+    has no byte shift; gguf_codes.py, group_int.py)."""
+    mask = ((1 << bits) - 1) << bits * k
+    return (q & mask).float() * 2.0 ** (-bits * k)
+
+
 def _inputs(x: torch.Tensor, *shape: int) -> torch.Tensor:
     """The input vector as `shape` (its grouping), with a trailing axis that broadcasts over the lanes."""
     return x.reshape(*shape, 1)

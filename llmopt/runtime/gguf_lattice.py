@@ -29,7 +29,7 @@ from llmopt.quant.grids.iq1 import IQ1_LATTICE
 from llmopt.quant.grids.iq_lattice import (IQ2_S_LATTICE, IQ2_XS_LATTICE, IQ2_XXS_LATTICE, IQ3_S_LATTICE,
                                            IQ3_XXS_LATTICE)
 from llmopt.quant.grids.lattice import Lattice
-from llmopt.runtime.gguf_linear import SplitFieldLinear
+from llmopt.runtime.gguf_linear import SplitFieldLinear, block_field, split_names
 
 Q = GGMLQuantType
 QK = 256  # values per block
@@ -63,10 +63,6 @@ class LatticeType:
     post: float
     parity: bool  # 7 sign bits stored per 8 values
 
-    @property
-    def table(self) -> torch.Tensor:
-        return torch.tensor(self.lattice.kgrid, dtype=torch.int32)
-
 
 def _level(lattice: Lattice, base: int, step: int, bump: int) -> Level:
     level = Level(base, step, bump, lattice.nlevels - 1)
@@ -86,12 +82,7 @@ TYPES = {
     Q.IQ1_S: LatticeType(IQ1_LATTICE, _level(IQ1_LATTICE, -1, 1, 0), 32, 2.0, 1.0, 1.0, False),
     Q.IQ1_M: LatticeType(IQ1_LATTICE, _level(IQ1_LATTICE, -1, 1, 0), 16, 2.0, 1.0, 1.0, False),
 }
-TABLES = {q: t.table for q, t in TYPES.items()}
-
-
-def _view(b: torch.Tensor, start: int, stop: int, dtype: torch.dtype, *shape: int) -> torch.Tensor:
-    """Bytes [start, stop) of each block [out, blocks, size] as `dtype`, shaped [out, blocks, *shape]."""
-    return b[:, :, start:stop].clone(memory_format=torch.contiguous_format).view(dtype).reshape(*b.shape[:2], *shape)
+TABLES = {q: torch.tensor(t.lattice.kgrid, dtype=torch.int32) for q, t in TYPES.items()}  # the points, packed
 
 
 def split_fields(qtype: GGMLQuantType, data: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -99,32 +90,33 @@ def split_fields(qtype: GGMLQuantType, data: torch.Tensor) -> dict[str, torch.Te
     structs; IQ1_M's float16 d, spread over the top nibbles of its four scale words, joined here)."""
     b = data.reshape(data.shape[0], -1, GGML_TYPES_BY_ID[qtype].nbytes)
     u8, i16, i32, f16 = torch.uint8, torch.int16, torch.int32, torch.float16
+    part = block_field  # (short: the offsets below read as ggml's structs)
     if qtype == Q.IQ3_XXS:
-        return {"d": _view(b, 0, 2, f16), "qs": _view(b, 2, 66, u8, 8, 4, 2), "aux": _view(b, 66, 98, i32, 8)}
+        return {"d": part(b, 0, 2, f16), "qs": part(b, 2, 66, u8, 8, 4, 2), "aux": part(b, 66, 98, i32, 8)}
     if qtype == Q.IQ2_XXS:  # per 32 values two uint32: the 4 point indices, then 4 x 7 sign bits and the scale
-        words = _view(b, 2, 66, u8, 8, 2, 4)
-        return {"d": _view(b, 0, 2, f16), "qs": words[..., 0, :].contiguous(),
+        words = part(b, 2, 66, u8, 8, 2, 4)
+        return {"d": part(b, 0, 2, f16), "qs": words[..., 0, :].contiguous(),
                 "aux": words[..., 1, :].clone(memory_format=torch.contiguous_format).view(i32)[..., 0]}
     if qtype == Q.IQ2_XS:
         # per 8 values a uint16 of 9 index bits and 7 sign bits, held as its two bytes: an int16 field
         # compiles to a loop inductor does not vectorize (4096x4096 from RAM: 18.6 ms against 2.8)
-        qs = _view(b, 2, 66, u8, 16, 2, 2)
-        return {"d": _view(b, 0, 2, f16), "lo": qs[..., 0], "hi": qs[..., 1], "scales": _view(b, 66, 74, u8, 8)}
+        qs = part(b, 2, 66, u8, 16, 2, 2)
+        return {"d": part(b, 0, 2, f16), "lo": qs[..., 0], "hi": qs[..., 1], "scales": part(b, 66, 74, u8, 8)}
     if qtype == Q.IQ2_S:
-        return {"d": _view(b, 0, 2, f16), "qs": _view(b, 2, 34, u8, 16, 2), "signs": _view(b, 34, 66, u8, 16, 2),
-                "qh": _view(b, 66, 74, u8, 8), "scales": _view(b, 74, 82, u8, 8)}
+        return {"d": part(b, 0, 2, f16), "qs": part(b, 2, 34, u8, 16, 2), "signs": part(b, 34, 66, u8, 16, 2),
+                "qh": part(b, 66, 74, u8, 8), "scales": part(b, 74, 82, u8, 8)}
     if qtype == Q.IQ3_S:
-        return {"d": _view(b, 0, 2, f16), "qs": _view(b, 2, 66, u8, 8, 4, 2), "qh": _view(b, 66, 74, u8, 8),
-                "signs": _view(b, 74, 106, u8, 8, 4), "scales": _view(b, 106, 110, u8, 4)}
+        return {"d": part(b, 0, 2, f16), "qs": part(b, 2, 66, u8, 8, 4, 2), "qh": part(b, 66, 74, u8, 8),
+                "signs": part(b, 74, 106, u8, 8, 4), "scales": part(b, 106, 110, u8, 4)}
     if qtype == Q.IQ1_S:  # qh: a uint16 per 32 values, held as its two bytes (as IQ2_XS's)
-        qh = _view(b, 34, 50, u8, 8, 2)
-        return {"d": _view(b, 0, 2, f16), "qs": _view(b, 2, 34, u8, 8, 4), "qh": qh[..., 0], "qh_hi": qh[..., 1]}
+        qh = part(b, 34, 50, u8, 8, 2)
+        return {"d": part(b, 0, 2, f16), "qs": part(b, 2, 34, u8, 8, 4), "qh": qh[..., 0], "qh_hi": qh[..., 1]}
     if qtype == Q.IQ1_M:
-        scales = _view(b, 48, 56, i16, 4)
+        scales = part(b, 48, 56, i16, 4)
         top = (scales.to(torch.int32) & 0xF000) >> torch.tensor([12, 8, 4, 0], dtype=torch.int32)
         d = (top[..., 0] | top[..., 1] | top[..., 2] | top[..., 3]).to(i16).view(f16)
-        words = _view(b, 48, 56, u8, 4, 2)  # (as bytes: see IQ2_XS)
-        return {"d": d, "qs": _view(b, 0, 32, u8, 16, 2), "qh": _view(b, 32, 48, u8, 16), "sc": words[..., 0],
+        words = part(b, 48, 56, u8, 4, 2)  # (as bytes: see IQ2_XS)
+        return {"d": d, "qs": part(b, 0, 32, u8, 16, 2), "qh": part(b, 32, 48, u8, 16), "sc": words[..., 0],
                 "sc_hi": words[..., 1]}
     raise ValueError(f"{qtype.name} is not a lattice type")
 
@@ -254,7 +246,7 @@ def lattice_gemv(x: torch.Tensor, kind: str, table: torch.Tensor, *fields: torch
     return ((inner.sum(-2) * parts.scale).sum((1, 2))).reshape(-1)
 
 
-FIELD_NAMES = {q: tuple(split_fields(q, torch.zeros(1, GGML_TYPES_BY_ID[q].nbytes, dtype=torch.uint8))) for q in TYPES}
+FIELD_NAMES = split_names(split_fields, TYPES)
 
 
 class LatticeLinear(SplitFieldLinear):
@@ -264,3 +256,4 @@ class LatticeLinear(SplitFieldLinear):
     split_fields = staticmethod(split_fields)
     values = staticmethod(values)
     table = staticmethod(TABLES.__getitem__)
+    field_names = FIELD_NAMES

@@ -28,7 +28,7 @@ weights plus one tile of float rows (TILE_BYTES).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -455,22 +455,34 @@ class F16Linear(FieldLinear):
         return (self.weight,)
 
 
+def block_field(blocks: torch.Tensor, start: int, stop: int, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    """Bytes [start, stop) of each block [out, blocks, size] as `dtype`, shaped [out, blocks, *shape] (a copy:
+    a field of its own, not a view into the file's bytes)."""
+    part = blocks[:, :, start:stop].clone(memory_format=torch.contiguous_format)
+    return part.view(dtype).reshape(*blocks.shape[:2], *shape)
+
+
+def split_names(split_fields: Callable[[GGMLQuantType, torch.Tensor], dict[str, torch.Tensor]],
+                types: Iterable[GGMLQuantType]) -> dict[GGMLQuantType, tuple[str, ...]]:  # fmt: skip
+    """The names `split_fields` gives each type's fields, in order (what a family's gemv receives them as)."""
+    return {q: tuple(split_fields(q, torch.zeros(1, GGML_TYPES_BY_ID[q].nbytes, dtype=torch.uint8))) for q in types}
+
+
 class SplitFieldLinear(FieldLinear):
     """A weight held as its blocks' own bytes split by role (a type family's `split_fields`: the same memory
     as the file), read back by the family's `values` (rows, bit for bit gguf's) and its `gemv` (a decode
-    step), each given the fields in `split_fields`'s order and the type's lookup `table`
+    step), each given the fields in `split_fields`'s order (`field_names`) and the type's lookup `table`
     (gguf_lattice.py, gguf_codes.py)."""
 
     split_fields: Callable[[GGMLQuantType, torch.Tensor], dict[str, torch.Tensor]]
     values: Callable[[GGMLQuantType, dict[str, torch.Tensor]], torch.Tensor]
     table: Callable[[GGMLQuantType], torch.Tensor]
+    field_names: dict[GGMLQuantType, tuple[str, ...]]
 
     def __init__(self, qtype: GGMLQuantType, data: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.kind = qtype.name
-        split = self.split_fields(qtype, data)
-        self.names = tuple(split)
-        for name, field in split.items():
+        for name, field in self.split_fields(qtype, data).items():
             self.register_rows(name, field)
         _, _, block, size = GGML_TYPES_BY_ID[qtype]
         self.out_features, self.in_features = data.shape[0], data.shape[1] // size * block
@@ -481,10 +493,11 @@ class SplitFieldLinear(FieldLinear):
         return Q[self.kind]
 
     def fields(self) -> tuple:
-        return (self.kind, self.table(Q[self.kind]), *(self._buffers[n] for n in self.names))
+        return (self.kind, self.table(self.qtype), *(self._buffers[n] for n in self.field_names[self.qtype]))
 
     def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
-        return self.values(Q[self.kind], {n: lane_rows(self._buffers[n], index) for n in self.names})
+        names = self.field_names[self.qtype]
+        return self.values(self.qtype, {n: lane_rows(self._buffers[n], index) for n in names})
 
 
 class RawGGUFLinear(nn.Module):

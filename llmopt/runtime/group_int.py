@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.quantized_tensor import QuantizedTensor
+from llmopt.runtime.gguf_gemv import bit_field
 from llmopt.runtime.gguf_linear import FieldLinear, lane_rows
 
 GROUP = 32  # inputs per packed group
@@ -56,8 +57,7 @@ def pack_plane(q: torch.Tensor, bits: int) -> torch.Tensor:
 def plane_parts(plane: torch.Tensor, bits: int) -> list[torch.Tensor]:
     """A plane [..., G, 4·bits, L] -> its 8 / bits fields as float, each [..., G, 4·bits, L]: field t holds
     inputs t·4·bits + i."""
-    mask = (1 << bits) - 1
-    return [(plane & (mask << bits * t)).float() * 2.0 ** (-bits * t) for t in range(8 // bits)]
+    return [bit_field(plane, bits, t) for t in range(8 // bits)]
 
 
 def _codes(planes: list[torch.Tensor], bits: int) -> list[torch.Tensor]:

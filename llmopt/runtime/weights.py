@@ -11,6 +11,7 @@ quantized only when the dequantized model would not fit comfortably (`keep_gguf_
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -112,23 +113,24 @@ def _packed_decoder(source: PackedDirSource, dtype: torch.dtype, device: torch.d
     arch = source.arch
     with torch.device("meta"):
         model = Decoder(arch)
-    kept: dict[str, QuantizedTensor] = {}
+    kept: dict[str, tuple[QuantizedTensor, Callable]] = {}  # with what builds its module: int4 kernel, bit planes
     state = {}
     for name in source.tensors:
         module = name.removesuffix(".weight")
         if packed and name.endswith(".weight") and module in source.modules:
             qt = source.quantized(module)
-            if packable(qt, device) or (device.type == "cpu" and group_int.kept(qt)):
-                kept[hf_to_param_name(module)] = qt
+            if packable(qt, device):
+                kept[hf_to_param_name(module)] = (qt, PackedInt4Linear.from_quantized)
+                continue
+            if device.type == "cpu" and group_int.kept(qt):
+                kept[hf_to_param_name(module)] = (qt, group_int.GroupIntLinear)
                 continue
         state[hf_to_param_name(name)] = source.load(name, dtype=torch.float32).to(device=device, dtype=dtype)
     if "lm_head.weight" not in state and "lm_head" not in kept:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state, strict=False, assign=True)
-    for path, qt in kept.items():
-        bias = model.get_submodule(path).bias
-        _replace(model, path, PackedInt4Linear.from_quantized(qt, bias) if packable(qt, device)
-                 else group_int.GroupIntLinear(qt, bias))
+    for path, (qt, build) in kept.items():
+        _replace(model, path, build(qt, model.get_submodule(path).bias))
     fuse_shared_inputs(model, stacked)  # bit planes of one layout (the float linears fuse later)
     return _finished(model, source, device)
 

@@ -109,9 +109,10 @@ def read(qtype: GGMLQuantType, f: dict[str, torch.Tensor], table: torch.Tensor) 
     raise ValueError(f"{qtype.name} has no code layout here")
 
 
-def values(qtype: GGMLQuantType, fields: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Float32 W [rows, in] from the fields of some rows [rows, blocks, ...], bit for bit gguf's."""
-    segments, scale = read(qtype, {k: v[..., None] for k, v in fields.items()}, table_of(qtype))
+def values(qtype: GGMLQuantType, fields: dict[str, torch.Tensor], table: torch.Tensor) -> torch.Tensor:
+    """Float32 W [rows, in] from the fields of some rows [rows, blocks, ...] and the type's `table_of` (on the
+    fields' device), bit for bit gguf's."""
+    segments, scale = read(qtype, {k: v[..., None] for k, v in fields.items()}, table)
     codes = torch.cat([torch.stack(s.pieces, dim=s.dim).flatten(3, -2) for s in segments], dim=3)  # [n, blocks, S, v]
     return (scale[..., None, :] * codes + 0.0).reshape(codes.shape[0], -1)  # (+ 0.0: a rounded -0 level is +0)
 

@@ -223,10 +223,11 @@ def _parity(s: torch.Tensor) -> torch.Tensor:
     return (s ^ (s >> 1)) & 1
 
 
-def values(qtype: GGMLQuantType, fields: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Float32 W [rows, in] from the fields of some rows [rows, blocks, ...], bit for bit gguf's."""
+def values(qtype: GGMLQuantType, fields: dict[str, torch.Tensor], table: torch.Tensor) -> torch.Tensor:
+    """Float32 W [rows, in] from the fields of some rows [rows, blocks, ...] and the type's `TABLES` entry (on the
+    fields' device), bit for bit gguf's."""
     f = {k: v[..., None] for k, v in fields.items()}  # a size-1 lane axis
-    parts = read_parts(qtype, f, TABLES[qtype])
+    parts = read_parts(qtype, f, table)
     g = torch.stack(group_values(qtype, parts), dim=-2)  # [rows, blocks, S, G, 8, 1]
     w = parts.scale[..., None, None, :] * g
     return w.reshape(w.shape[0], -1)

@@ -1,4 +1,4 @@
-"""GGUF weights kept in their quantized form in memory (CPU), instead of dequantized to the compute dtype.
+"""GGUF weights kept in their quantized form in memory (CPU or CUDA), instead of dequantized to the compute dtype.
 
 Each 2-D weight of a quantized (or F16) type takes one of these paths:
 
@@ -67,8 +67,9 @@ def raw_rows(source: GGUFSource, name: str) -> tuple[GGMLQuantType, torch.Tensor
 
 
 def dequantize_rows(qtype: GGMLQuantType, blocks: torch.Tensor) -> torch.Tensor:
-    """Float32 rows of block bytes [rows, bytes per row] (the reader's dequantizer)."""
-    return torch.from_numpy(dequantize(blocks.numpy(), qtype))
+    """Float32 rows of block bytes [rows, bytes per row] (the reader's dequantizer, numpy: on the CPU), on the
+    blocks' device."""
+    return torch.from_numpy(dequantize(blocks.cpu().numpy(), qtype)).to(blocks.device)
 
 
 def _half(blocks: torch.Tensor, at: int) -> torch.Tensor:
@@ -145,7 +146,7 @@ def tiled_linear(x: torch.Tensor, out_features: int, in_features: int, rows_of: 
                  bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T (+ b), with W's rows rebuilt by `rows_of` one tile (a slice of rows) at a time."""
     step = max(16, TILE_BYTES // (4 * in_features))
-    y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
+    y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
     for start in range(0, out_features, step):
         stop = min(start + step, out_features)
         y[..., start:stop] = F.linear(x, rows_of(slice(start, stop)).to(x.dtype))
@@ -433,7 +434,7 @@ class IQ4Linear(FieldLinear):
     def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
         p = lane_rows(self.codes, index)
         scale = group_scales(self.a, self.a_mult, index, self.per)
-        return (scale[..., None] * IQ4_LEVELS[group_codes(p).long()]).reshape(p.shape[0], -1)
+        return (scale[..., None] * IQ4_LEVELS.to(p.device)[group_codes(p).long()]).reshape(p.shape[0], -1)
 
 
 class F16Linear(FieldLinear):
@@ -472,16 +473,19 @@ class SplitFieldLinear(FieldLinear):
     """A weight held as its blocks' own bytes split by role (a type family's `split_fields`: the same memory
     as the file), read back by the family's `values` (rows, bit for bit gguf's) and its `gemv` (a decode
     step), each given the fields in `split_fields`'s order (`field_names`) and the type's lookup `table`
-    (gguf_lattice.py, gguf_codes.py)."""
+    (gguf_lattice.py, gguf_codes.py), held as a buffer so that it moves with the module (CUDA)."""
+
+    shared = ("lookup",)
 
     split_fields: Callable[[GGMLQuantType, torch.Tensor], dict[str, torch.Tensor]]
-    values: Callable[[GGMLQuantType, dict[str, torch.Tensor]], torch.Tensor]
+    values: Callable[[GGMLQuantType, dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
     table: Callable[[GGMLQuantType], torch.Tensor]
     field_names: dict[GGMLQuantType, tuple[str, ...]]
 
     def __init__(self, qtype: GGMLQuantType, data: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.kind = qtype.name
+        self.register_buffer("lookup", self.table(qtype), persistent=False)
         for name, field in self.split_fields(qtype, data).items():
             self.register_rows(name, field)
         _, _, block, size = GGML_TYPES_BY_ID[qtype]
@@ -493,11 +497,11 @@ class SplitFieldLinear(FieldLinear):
         return Q[self.kind]
 
     def fields(self) -> tuple:
-        return (self.kind, self.table(self.qtype), *(self._buffers[n] for n in self.field_names[self.qtype]))
+        return (self.kind, self.lookup, *(self._buffers[n] for n in self.field_names[self.qtype]))
 
     def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
         names = self.field_names[self.qtype]
-        return self.values(self.qtype, {n: lane_rows(self._buffers[n], index) for n in names})
+        return self.values(self.qtype, {n: lane_rows(self._buffers[n], index) for n in names}, self.lookup)
 
 
 class RawGGUFLinear(nn.Module):
@@ -580,13 +584,19 @@ def stacked(modules: list[nn.Module]) -> nn.Module | None:
 
 
 def quantized_linear(qtype: GGMLQuantType, data: torch.Tensor, bias: torch.Tensor | None,
-                     dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The module that holds one GGUF linear in its quantized form in a `dtype` model (see the module docstring)."""
-    if qtype in INT4_TYPES:
-        if dtype == KERNEL_DTYPE:
-            codes, scales, offsets = int4_parts(qtype, data)
-            if kernel_shape_ok(codes.shape[0], codes.shape[1], 32):
-                return PackedInt4Linear(codes, scales, offsets, 32, bias)
+                     dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> nn.Module:
+    """The module that holds one GGUF linear in its quantized form in a `dtype` model on `device` (default:
+    the data's; see the module docstring). Built where the bytes are, then moved: one weight at a time."""
+    device = data.device if device is None else device
+    if qtype in INT4_TYPES and dtype == KERNEL_DTYPE:
+        codes, scales, offsets = int4_parts(qtype, data)
+        if kernel_shape_ok(codes.shape[0], codes.shape[1], 32, device):
+            return PackedInt4Linear(*(t.to(device) for t in (codes, scales, offsets)), 32,
+                                    None if bias is None else bias.to(device))
+    return _field_linear(qtype, data, bias).to(device)
+
+
+def _field_linear(qtype: GGMLQuantType, data: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     if qtype in NIBBLE_TYPES:
         return NibbleLinear(qtype, data, bias)
     if qtype == Q.Q8_0:

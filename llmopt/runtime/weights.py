@@ -1,11 +1,11 @@
 """Weight providers: from whatever llmopt can read (HF dirs, GGUF of any type) to a ready `Decoder`.
 
-Float checkpoints load as they are. GGUF weights on CPU either stay in their quantized form
-(gguf_linear.py: memory is about the file's size; decode steps through compiled products, prefill
+Float checkpoints load as they are. GGUF weights either stay in their quantized form (gguf_linear.py:
+memory is about the file's size; decode steps through compiled products or the int4 kernel, prefill
 through rebuilt tiles) or are dequantized into the runtime dtype (torch's dense matmuls, no compile),
 read one tensor at a time so that peak memory is the model plus one tensor. By default they stay
-quantized only when the dequantized model would not fit comfortably (`keep_gguf_quantized`);
-`gguf_quantized` forces either way, and `packed=False` always dequantizes.
+quantized only when the dequantized model would not fit comfortably in the device's memory
+(`keep_gguf_quantized`); `gguf_quantized` forces either way, and `packed=False` always dequantizes.
 """
 
 from __future__ import annotations
@@ -68,16 +68,16 @@ def load_model(spec: str, dtype: str = "auto", device: str = "auto", packed: boo
 
 def build_decoder(source: ModelSource, dtype: torch.dtype, device: torch.device, packed: bool = True,
                   gguf_quantized: bool | None = None) -> Decoder:
-    """Float sources: in the dtype. GGUF on CPU with `packed`: weights stay quantized (gguf_linear.py)
+    """Float sources: in the dtype. GGUF with `packed`: weights stay quantized (gguf_linear.py)
     when `gguf_quantized` says so (None: when `keep_gguf_quantized`); otherwise dequantized into the dtype. GPTQ and AWQ: 4-bit layers stay packed where the
     int4 kernel applies (`packed`), the rest is dequantized layer by layer. On CPU, float linears
     take the row-major layout that streams weights fastest (see row_major.py), and the weights then
     move into one contiguous block (arena.py)."""
     if isinstance(source, PackedDirSource):
         model = _packed_decoder(source, dtype, device, packed)
-    elif packed and isinstance(source, GGUFSource) and device.type == "cpu" and (
-            keep_gguf_quantized(source, dtype) if gguf_quantized is None else gguf_quantized):
-        model = _gguf_decoder(source, dtype)
+    elif packed and isinstance(source, GGUFSource) and (
+            keep_gguf_quantized(source, dtype, device) if gguf_quantized is None else gguf_quantized):
+        model = _gguf_decoder(source, dtype, device)
     elif source.quantization_config:
         method = source.quantization_config.get("quant_method", "quantized")
         raise InputError(f"{source.path}: {method} checkpoints are not supported by the runtime")
@@ -98,15 +98,23 @@ def gguf_quantized_for(keep_quantized: bool, compile: bool) -> bool | None:
     return True if keep_quantized or compile else None
 
 
-def keep_gguf_quantized(source: GGUFSource, dtype: torch.dtype) -> bool:
+def keep_gguf_quantized(source: GGUFSource, dtype: torch.dtype, device: torch.device) -> bool:
     """Keep a GGUF model quantized in memory when dequantized it would take more than half the memory
-    available now; above that, quantized is what lets a 7B Q4 file run on a small machine at all.
+    available now on `device`; above that, quantized is what lets a 7B Q4 file run on a small machine
+    (or a 70B Q4 file on one GPU) at all.
     Below it, dequantized weights start and prefill faster, which a short run feels most: SmolLM2
     Q4_0 kept quantized decoded at 34-45 tok/s against 18.6-20.3, but prefilled 256 tokens in 0.7-1.0 s
     against 0.45 s, and its first step compiled the products for 5 s (29 s with inductor's disk
     cache cold). `generate --keep-quantized` or `--compile` keeps it quantized anyway."""
     elements = sum(math.prod(info.shape) for info in source.tensors.values())
-    return elements * dtype.itemsize > available_memory() // 2
+    return elements * dtype.itemsize > device_memory(device) // 2
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes free for the model: the system's available memory on CPU, the GPU's free memory on CUDA."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return available_memory()
 
 
 def _packed_decoder(source: PackedDirSource, dtype: torch.dtype, device: torch.device, packed: bool) -> Decoder:
@@ -120,7 +128,7 @@ def _packed_decoder(source: PackedDirSource, dtype: torch.dtype, device: torch.d
         if packed and name.endswith(".weight") and module in source.modules:
             qt = source.quantized(module)
             if packable(qt, device):
-                kept[hf_to_param_name(module)] = (qt, PackedInt4Linear.from_quantized)
+                kept[hf_to_param_name(module)] = (qt, lambda qt, bias: PackedInt4Linear.from_quantized(qt, bias, device))
                 continue
             if device.type == "cpu" and group_int.kept(qt):
                 kept[hf_to_param_name(module)] = (qt, group_int.GroupIntLinear)
@@ -135,13 +143,14 @@ def _packed_decoder(source: PackedDirSource, dtype: torch.dtype, device: torch.d
     return _finished(model, source, device)
 
 
-def _gguf_decoder(source: GGUFSource, dtype: torch.dtype) -> Decoder:
-    """CPU: every quantized (or F16) 2-D weight becomes a module holding it in that form; norms,
+def _gguf_decoder(source: GGUFSource, dtype: torch.dtype, device: torch.device) -> Decoder:
+    """Every quantized (or F16) 2-D weight becomes a module holding it in that form on `device`; norms,
     biases and F32 tensors load as floats. One tensor is copied out of the file's map at a time."""
     with torch.device("meta"):
         model = Decoder(source.arch)
     kept = [n for n in source.tensors if kept_quantized(source, n)]
-    state = {hf_to_param_name(n): source.load(n, dtype=torch.float32).to(dtype) for n in source.tensors if n not in kept}
+    state = {hf_to_param_name(n): source.load(n, dtype=torch.float32).to(device=device, dtype=dtype)
+             for n in source.tensors if n not in kept}
     model.load_state_dict(state, strict=False, assign=True)
     if "lm_head.weight" not in source.tensors and "model.embed_tokens.weight" not in kept:
         model.lm_head.weight = model.embed_tokens.weight  # tied, float
@@ -149,19 +158,19 @@ def _gguf_decoder(source: GGUFSource, dtype: torch.dtype) -> Decoder:
         qtype, data = raw_rows(source, name)
         path = hf_to_param_name(name).removesuffix(".weight")
         if path == "embed_tokens":
-            embed = RawGGUFEmbedding(qtype, data, dtype)
+            embed = RawGGUFEmbedding(qtype, data.to(device), dtype)
             if "lm_head.weight" not in source.tensors:  # tied: one quantized table serves both
-                model.lm_head = quantized_linear(qtype, data, None, dtype)
+                model.lm_head = quantized_linear(qtype, data, None, dtype, device)
                 if hasattr(model.lm_head, "rows"):  # (the int4 kernel's packing cannot give rows back)
                     embed = TiedQuantizedEmbedding(model.lm_head, dtype)
             model.embed_tokens = embed
         else:
-            _replace(model, path, quantized_linear(qtype, data, model.get_submodule(path).bias, dtype))
+            _replace(model, path, quantized_linear(qtype, data, model.get_submodule(path).bias, dtype, device))
         del data
         source.release_pages()  # copied out: the file's pages need not stay resident
         return_freed_memory()  # nor the temporaries' heap pages
     fuse_shared_inputs(model, stacked, after_each=return_freed_memory)  # the parts' heap pages too
-    return _finished(model, source, torch.device("cpu"))
+    return _finished(model, source, device)
 
 
 def _replace(model: nn.Module, path: str, module: nn.Module) -> None:

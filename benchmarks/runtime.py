@@ -76,18 +76,47 @@ def best(runs):
     return max(runs, key=lambda r: r["tokens_per_s"])
 
 
-def roofline_8b(device, new_tokens=128, compile=False):
-    """Batch-1 decode of a Llama-3-8B-shaped model, random bf16 weights, vs HBM bandwidth
-    (`compile`: the torch.compile'd fixed-shape step, recorded as a CUDA graph)."""
+def llama3_8b_arch():
+    """Llama-3-8B's shape (random weights stand in for its own)."""
     from llmopt.model.arch import ArchSpec
-    from llmopt.model.decoder import Decoder, Rotary
     from llmopt.model.families import family_for_hf
-    from llmopt.runtime.generate import Generator
 
-    arch = ArchSpec(family=family_for_hf(["LlamaForCausalLM"], "llama"), hidden_size=4096, num_layers=32, num_heads=32,
+    return ArchSpec(family=family_for_hf(["LlamaForCausalLM"], "llama"), hidden_size=4096, num_layers=32, num_heads=32,
                     num_kv_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
                     max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
                     attention_bias=False)
+
+
+def decode_roofline(model, device, weight_bytes: int, new_tokens: int = 128, compile: bool = False) -> dict:
+    """Batch-1 decode of `model` (no tokenizer, EOS ignored) as bytes read per token (`weight_bytes`: every
+    weight but the embedding table, of which a step reads one row) times tokens/s, against the GPU's peak."""
+    from llmopt.runtime.generate import Generator
+
+    gen = Generator(model, None, eos=set(), compile=compile)
+    ids = list(range(1, 33))
+    t0 = time.perf_counter()
+    gen.generate(ids, 8, ignore_eos=True)  # warm-up (and compile)
+    warm_s = time.perf_counter() - t0
+    r = gen.generate(ids, new_tokens, ignore_eos=True)
+    bandwidth = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        # peak bandwidth from the memory clock (kHz) and bus width (bits), DDR: 2 transfers per clock
+        if hasattr(props, "memory_clock_rate"):
+            bandwidth = 2 * props.memory_clock_rate * 1e3 * props.memory_bus_width / 8
+    achieved = weight_bytes * r.metrics.tokens_per_s
+    return {"weights_gb": weight_bytes / 1e9, "tokens_per_s": r.metrics.tokens_per_s,
+            "ms_per_token": 1e3 / r.metrics.tokens_per_s,
+            "achieved_gb_s": achieved / 1e9, "peak_gb_s": bandwidth / 1e9 if bandwidth else None,
+            "fraction_of_roofline": achieved / bandwidth if bandwidth else None, "warm_up_s": warm_s}
+
+
+def roofline_8b(device, new_tokens=128, compile=False):
+    """Batch-1 decode of a Llama-3-8B-shaped model, random bf16 weights, vs HBM bandwidth
+    (`compile`: the torch.compile'd fixed-shape step, recorded as a CUDA graph)."""
+    from llmopt.model.decoder import Decoder, Rotary
+
+    arch = llama3_8b_arch()
     with torch.device(device):
         model = Decoder(arch).to(torch.bfloat16)
         for p in model.parameters():
@@ -95,17 +124,7 @@ def roofline_8b(device, new_tokens=128, compile=False):
         model.rotary = Rotary(arch).to(device)
     model.eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - model.embed_tokens.weight.nbytes
-    gen = Generator(model, None, eos=set(), compile=compile)
-    ids = list(range(1, 33))
-    gen.generate(ids, 8, ignore_eos=True)  # warm-up (and compile)
-    r = gen.generate(ids, new_tokens, ignore_eos=True)
-    props = torch.cuda.get_device_properties(device)
-    # peak bandwidth from the memory clock (kHz) and bus width (bits), DDR: 2 transfers per clock
-    bandwidth = 2 * props.memory_clock_rate * 1e3 * props.memory_bus_width / 8 if hasattr(props, "memory_clock_rate") else None
-    achieved = weight_bytes * r.metrics.tokens_per_s
-    return {"weights_gb": weight_bytes / 1e9, "tokens_per_s": r.metrics.tokens_per_s, "achieved_gb_s": achieved / 1e9,
-            "peak_gb_s": bandwidth / 1e9 if bandwidth else None,
-            "fraction_of_roofline": achieved / bandwidth if bandwidth else None}
+    return decode_roofline(model, device, weight_bytes, new_tokens, compile)
 
 
 def main() -> None:

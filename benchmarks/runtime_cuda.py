@@ -1,7 +1,18 @@
-"""CUDA checks in one run (for a lent GPU machine): runtime decode vs transformers and vs the
-memory-bandwidth roofline, GPTQ on CUDA vs CPU, GGUF grids on CUDA vs CPU bytes. Prints JSON lines.
+"""CUDA checks in one run (for a lent GPU machine), correctness first, then speed. Prints JSON lines.
 
-Usage: python benchmarks/runtime_cuda.py  (needs torch with CUDA, transformers, tokenizers, gguf)
+- grids: GGUF grids quantized on CUDA give the CPU's bytes.
+- gptq: `llmopt quantize` GPTQ on CUDA vs CPU; generating from it on CUDA.
+- smollm2: SmolLM2 greedy on CUDA equals the CPU for 64 tokens (float32); its Q4_0, Q8_0 and Q4_K_M files
+  kept quantized on CUDA (float32: the fields' products, compiled for the GPU; bfloat16: the int4 kernel for
+  the Q4 types) against the CPU's dequantized model: logits, greedy tokens, decode tok/s; a GPTQ w4 g128
+  checkpoint packed (tinygemm) against dequantized.
+- decode: a SmolLM2-shaped bf16 model, llmopt vs transformers.
+- roofline: Llama-3-8B-shaped random bf16 weights, eager and `--compile`, against the HBM roofline.
+- q4km, gptq8b: the same shape as Q4_K_M GGUF weights kept quantized and as GPTQ int4 g128, bytes read
+  per token over the quantized bytes (compiled; `q4km_eager`, `gptq8b_eager` eager).
+
+Usage: python benchmarks/runtime_cuda.py [CHECK ...]  (default: all but the eager quantized ones; needs torch
+with CUDA, transformers, tokenizers, gguf)
 """
 
 from __future__ import annotations
@@ -59,12 +70,159 @@ def decode_vs_transformers(tmp: Path) -> None:
                                               "tokens_equal_prefix": same})
 
 
+def _greedy(model, ids: list[int], tokens: int, compile: bool = False) -> tuple[list[int], float]:
+    from llmopt.runtime.generate import Generator
+
+    gen = Generator(model, None, eos=set(), compile=compile)
+    gen.generate(ids, 4, ignore_eos=True)  # warm-up: the products compile
+    r = gen.generate(ids, tokens, ignore_eos=True)
+    return r.token_ids, r.metrics.tokens_per_s
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids], device=next(model.parameters()).device)).float().cpu()
+
+
+def _compare(ref_logits: torch.Tensor, ref_tokens: list[int], logits: torch.Tensor, tokens: list[int]) -> dict:
+    same = next((i for i, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b), len(ref_tokens))
+    return {"logits_max_rel_err": float((logits - ref_logits).abs().max() / ref_logits.abs().max()),
+            "greedy_tokens_equal_prefix": same, "of": len(ref_tokens)}
+
+
+def _module_kinds(model) -> dict:
+    from collections import Counter
+
+    return dict(Counter(type(m).__name__ for m in model.modules() if hasattr(m, "out_features")))
+
+
+def smollm2_cuda_vs_cpu(tmp: Path, device: str = "cuda") -> None:
+    from benchmarks.runtime import PROMPT
+    from benchmarks.runtime_quantized import held_bytes, write_mix
+    from llmopt.model.embedded import smollm2_gguf
+    from llmopt.runtime.weights import load_model
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 products as float32 (the CPU's)
+    torch.backends.cudnn.allow_tf32 = False
+    base = smollm2_gguf()
+    cpu = load_model(str(base), "float32", "cpu", packed=False)
+    ids = cpu.tokenizer.encode(PROMPT)
+    tokens, _ = _greedy(cpu.model, ids, 64)
+    gpu = load_model(str(base), "float32", device, packed=False)
+    gpu_tokens, tok_s = _greedy(gpu.model, ids, 64)
+    row = _compare(_logits(cpu.model, ids), tokens, _logits(gpu.model, ids), gpu_tokens)
+    report(f"smollm2_fp32_{device}_vs_cpu", {**row, "tok_s": round(tok_s, 1)})
+    del gpu
+    for mix in ("Q4_0", "Q8_0", "Q4_K_M"):
+        path = write_mix(base, mix, tmp / f"smollm2-{mix}.gguf")
+        ref = load_model(str(path), "float32", "cpu", packed=False).model
+        ref_logits, ref_tokens = _logits(ref, ids), _greedy(ref, ids, 64)[0]
+        for dtype in ("float32", "bfloat16"):
+            try:
+                kept = load_model(str(path), dtype, device, gguf_quantized=True).model
+                got, tok_s = _greedy(kept, ids, 64)
+                logits = _logits(kept, ids)
+                row = {"vs_cpu_float32": _compare(ref_logits, ref_tokens, logits, got), "tok_s": round(tok_s, 1),
+                       "held_mib": round(held_bytes(kept) / 2**20, 1), "modules": _module_kinds(kept)}
+                row["compiled_tok_s"] = round(_greedy(kept, ids, 64, compile=True)[1], 1)
+                dense = load_model(str(path), dtype, device, packed=False).model
+                dense_tokens, row["dequantized_tok_s"] = _greedy(dense, ids, 64)
+                row["vs_dequantized_same_device_dtype"] = _compare(_logits(dense, ids), dense_tokens, logits, got)
+                report(f"smollm2_{mix}_kept_quantized_cuda_{dtype}", row)
+                del kept, dense
+            except Exception:  # report, go on with the others
+                report(f"smollm2_{mix}_kept_quantized_cuda_{dtype}", {"error": traceback.format_exc()[-1500:]})
+    for bits, dtype in ((4, "bfloat16"), (3, "float32")):  # tinygemm; bit planes (exact float math)
+        gptq = tmp / f"smollm2-gptq-w{bits}g128"
+        r = subprocess.run([sys.executable, "-m", "llmopt.cli.app", "quantize", str(base), "-o", str(gptq), "--method",
+                            "rtn", "--bits", str(bits), "--group-size", "128", "--format", "gptq", "--json"],
+                           capture_output=True, text=True, cwd=ROOT)
+        name = f"smollm2_gptq_w{bits}g128_{device}_packed_vs_dequantized_{dtype}"
+        if r.returncode:
+            report(name, {"quantize_error": r.stderr[-800:]})
+            continue
+        try:
+            dense = load_model(str(gptq), dtype, device, packed=False).model
+            packed = load_model(str(gptq), dtype, device).model
+            ref_tokens, dense_tok_s = _greedy(dense, ids, 64)
+            got, tok_s = _greedy(packed, ids, 64)
+            report(name, {**_compare(_logits(dense, ids), ref_tokens, _logits(packed, ids), got),
+                          "packed_tok_s": round(tok_s, 1), "dequantized_tok_s": round(dense_tok_s, 1),
+                          "modules": _module_kinds(packed), "held_mib": round(held_bytes(packed) / 2**20, 1)})
+        except Exception:
+            report(name, {"error": traceback.format_exc()[-1500:]})
+
+
+def _tiled_blocks(qtype, rows: int, cols: int) -> torch.Tensor:
+    """Block bytes [rows, ...] of `qtype`: 256 rows of a random matrix quantized by llmopt, repeated (for
+    speed only the bytes' amount matters; the scales stay finite)."""
+    import numpy as np
+
+    from llmopt.formats.gguf.blocks import pack
+    from llmopt.quant.grids import quantize
+
+    w = torch.randn(256, cols, generator=torch.Generator().manual_seed(cols)) * 0.02
+    slab = torch.from_numpy(np.ascontiguousarray(pack(quantize(qtype.name, w)))).view(torch.uint8).reshape(256, -1)
+    return slab.repeat(-(-rows // 256), 1)[:rows].contiguous()
+
+
+def quantized_8b(kind: str, compile: bool, device: torch.device = torch.device("cuda"), arch=None) -> dict:
+    """Llama-3-8B-shaped decode with weights kept quantized: `Q4_K_M` (each tensor the type llama.cpp's mix
+    gives it; bfloat16 model, so Q4_K takes the int4 kernel and Q6_K the fields' product) or `GPTQ` (int4
+    g128, tinygemm). Bytes per token: every linear's held bytes. (`device`, `arch`: a small CPU run checks the
+    script before a GPU's minutes are spent on it.)"""
+    from benchmarks.runtime import decode_roofline, llama3_8b_arch
+    from benchmarks.runtime_quantized import RandomLlamaSource, held_bytes
+    from llmopt.formats.gguf.writer import plan_gguf
+    from llmopt.model.decoder import Decoder, Rotary, hf_to_param_name
+    from llmopt.model.ggml_types import GGMLQuantType
+    from llmopt.runtime.gguf_linear import quantized_linear, stacked
+    from llmopt.runtime.int4 import PackedInt4Linear
+    from llmopt.runtime.row_major import fuse_shared_inputs
+
+    arch = arch or llama3_8b_arch()
+    with torch.device("meta"):
+        model = Decoder(arch)
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    types = {}
+    if kind == "Q4_K_M":
+        src = RandomLlamaSource(arch.hidden_size, arch.num_layers, arch.intermediate_size, arch.vocab_size,
+                                arch.num_heads, arch.num_kv_heads)
+        types = {hf_to_param_name(t.hf_name).removesuffix(".weight"): GGMLQuantType[t.type_name]
+                 for t in plan_gguf(src, "Q4_K_M").tensors if t.hf_name}
+    for path in linears:
+        out_f, in_f = model.get_submodule(path).weight.shape
+        if kind == "GPTQ":
+            g = torch.Generator(device=device).manual_seed(len(path))  # (CPU: the kernel's 16-row packing)
+            codes = torch.randint(0, 16, (out_f, in_f), device=device, generator=g, dtype=torch.uint8)
+            scales = torch.rand(out_f, in_f // 128, device=device, generator=g) * 0.01
+            module = PackedInt4Linear(codes, scales, -8 * scales, 128, None)
+        else:
+            blocks = _tiled_blocks(types[path], out_f, in_f)
+            module = quantized_linear(types[path], blocks, None, torch.bfloat16, device)
+        parent, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, module)
+    floats = {n: (torch.randn(p.shape, device=device) * 0.02 if p.dim() == 2 else torch.ones(p.shape, device=device))
+              for n, p in model.named_parameters() if p.is_meta}
+    model.load_state_dict({n: t.to(torch.bfloat16) for n, t in floats.items()}, strict=False, assign=True)
+    fuse_shared_inputs(model, stacked)
+    model.rotary = Rotary(arch).to(device)
+    model.eval()
+    weight_bytes = held_bytes(model) - model.embed_tokens.weight.nbytes
+    row = decode_roofline(model, device, weight_bytes, compile=compile)
+    return {**row, "modules": _module_kinds(model)}
+
+
+def _rounded(row: dict) -> dict:
+    return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}
+
+
 def roofline() -> None:
     from benchmarks.runtime import roofline_8b
 
     for compile in (False, True):
         report(f"roofline_llama3_8b_shaped_bf16{'_compiled' if compile else ''}",
-               {k: (round(v, 3) if isinstance(v, float) else v) for k, v in roofline_8b(torch.device("cuda"), compile=compile).items()})
+               _rounded(roofline_8b(torch.device("cuda"), compile=compile)))
 
 
 def gptq_cuda_vs_cpu(tmp: Path) -> None:
@@ -130,14 +288,22 @@ def main() -> None:
     only = set(sys.argv[1:])  # names of checks to run (default: all)
     with tempfile.TemporaryDirectory() as tmp:
         checks = {"grids": grids_cuda_vs_cpu, "gptq": lambda: gptq_cuda_vs_cpu(Path(tmp)),
+                  "smollm2": lambda: smollm2_cuda_vs_cpu(Path(tmp)),
                   "decode": lambda: decode_vs_transformers(Path(tmp)), "roofline": roofline}
+        for kind, name in (("Q4_K_M", "q4km"), ("GPTQ", "gptq8b")):
+            for compile, suffix in ((True, ""), (False, "_eager")):
+                checks[name + suffix] = lambda kind=kind, compile=compile, name=name + suffix: report(
+                    f"roofline_llama3_8b_shaped_{name}", _rounded(quantized_8b(kind, compile)))
         for name, check in checks.items():
-            if only and name not in only:
+            if (only and name not in only) or (not only and name.endswith("_eager")):
                 continue
+            t0 = time.perf_counter()
             try:
                 check()
             except Exception:
-                report("failed", {"error": traceback.format_exc()[-1500:]})
+                report("failed", {"name": name, "error": traceback.format_exc()[-1500:]})
+            report("done", {"name": name, "seconds": round(time.perf_counter() - t0, 1)})
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

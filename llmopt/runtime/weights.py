@@ -128,10 +128,10 @@ def _packed_decoder(source: PackedDirSource, dtype: torch.dtype, device: torch.d
         if packed and name.endswith(".weight") and module in source.modules:
             qt = source.quantized(module)
             if packable(qt, device):
-                kept[hf_to_param_name(module)] = (qt, lambda qt, bias: PackedInt4Linear.from_quantized(qt, bias, device))
+                kept[hf_to_param_name(module)] = (qt, lambda q, bias: PackedInt4Linear.from_quantized(q, bias, device))
                 continue
-            if device.type == "cpu" and group_int.kept(qt):
-                kept[hf_to_param_name(module)] = (qt, group_int.GroupIntLinear)
+            if group_int.kept(qt):  # (built on the CPU, then moved)
+                kept[hf_to_param_name(module)] = (qt, lambda q, bias: group_int.GroupIntLinear(q, bias).to(device))
                 continue
         state[hf_to_param_name(name)] = source.load(name, dtype=torch.float32).to(device=device, dtype=dtype)
     if "lm_head.weight" not in state and "lm_head" not in kept:

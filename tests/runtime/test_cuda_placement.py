@@ -1,6 +1,7 @@
 """The quantized-weight modules on CUDA, checked without a GPU: built and run on fake CUDA tensors
 (torch's FakeTensorMode computes shapes, dtypes and devices only) or on the meta device, where a lookup
-table or a constant left on the CPU fails as it would on a GPU. What they compute there is benchmarks/runtime_cuda.py's to check."""
+table or a constant left on the CPU fails as it would on a GPU. What they compute there is
+benchmarks/runtime_cuda.py's to check."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from llmopt.model import open_model
 from llmopt.quantized_tensor import QuantizedTensor
 from llmopt.runtime import weights
 from llmopt.runtime.gguf_linear import FieldLinear, int4_parts, quantized_linear
+from llmopt.runtime.group_int import GroupIntLinear
 from llmopt.runtime.int4 import PackedInt4Linear, cuda_int4_input, inner_k_tiles, kernel_shape_ok, packable
 from tests.formats.gguf.models import make_wide_hf
 from tests.runtime.test_gguf_linear import CODES, LATTICE, _blocks, _write
@@ -56,8 +58,8 @@ def test_int4_gguf_types_pack_for_the_cuda_kernel_in_bfloat16(qtype):
 
 def test_gptq_layers_pack_for_the_device_they_run_on():
     out_f, in_f, gs = 24, 192, 64
-    qt = QuantizedTensor(codes=torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8), scales=torch.rand(out_f, in_f // gs),
-                         bits=4, group_size=gs, zeros=torch.full((out_f, in_f // gs), 8.0))
+    qt = QuantizedTensor(codes=torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8),
+                         scales=torch.rand(out_f, in_f // gs), bits=4, group_size=gs, zeros=torch.full((out_f, in_f // gs), 8.0))
     assert packable(qt, CUDA) and not packable(qt, torch.device("cpu"))  # CUDA packs 8 rows at a time, the CPU 16
     mode = FakeTensorMode()
     bias = mode.from_tensor(torch.randn(out_f))
@@ -88,3 +90,17 @@ def test_cuda_kernel_input_holds_the_even_input_in_the_high_nibble():
     """As PyTorch's own int4 tests pack tinygemm's input."""
     codes = torch.tensor([[1, 2, 3, 4], [15, 0, 7, 8]])
     assert cuda_int4_input(codes).tolist() == [[0x12, 0x34], [0xF0, 0x78]]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 8])
+def test_gptq_bit_planes_compute_on_the_weights_device(bits):
+    out_f, in_f, gs = 24, 256, 64
+    g = torch.Generator().manual_seed(bits)
+    qt = QuantizedTensor(codes=torch.randint(0, 1 << bits, (out_f, in_f), generator=g, dtype=torch.uint8),
+                         scales=torch.rand(out_f, in_f // gs, generator=g).half(), bits=bits, group_size=gs,
+                         zeros=torch.randint(0, 1 << bits, (out_f, in_f // gs), generator=g).float(),
+                         g_idx=torch.randperm(in_f, generator=g) % (in_f // gs))  # act-order: the input permuted too
+    layer = GroupIntLinear(qt, torch.randn(out_f)).to(META)
+    x = torch.randn(3, in_f, device=META)
+    assert layer(x).shape == (3, out_f) and layer(x[:1]).device == META
+    assert layer.gemv(x[0], *layer.fields()).device == META

@@ -11,8 +11,11 @@
 - q4km, gptq8b: the same shape as Q4_K_M GGUF weights kept quantized and as GPTQ int4 g128, bytes read
   per token over the quantized bytes (compiled; `q4km_eager`, `gptq8b_eager` eager).
 
-Usage: python benchmarks/runtime_cuda.py [CHECK ...]  (default: all but the eager quantized ones; needs torch
-with CUDA, transformers, tokenizers, gguf)
+Usage: python benchmarks/runtime_cuda.py [CHECK ...] [--smollm2 FILE.gguf]  (default: all but the eager
+quantized ones; needs torch with CUDA, transformers, tokenizers, gguf)
+
+On this project's lent H200 (15 minutes of device time a task, 64 MiB sent a call, nothing installable
+there): `bash benchmarks/device_prepare.sh` here first; it says what to run there, in two calls.
 """
 
 from __future__ import annotations
@@ -96,15 +99,13 @@ def _module_kinds(model) -> dict:
     return dict(Counter(type(m).__name__ for m in model.modules() if hasattr(m, "out_features")))
 
 
-def smollm2_cuda_vs_cpu(tmp: Path, device: str = "cuda") -> None:
+def smollm2_cuda_vs_cpu(tmp: Path, base: Path, device: str = "cuda") -> None:
     from benchmarks.runtime import PROMPT
     from benchmarks.runtime_quantized import held_bytes, write_mix
-    from llmopt.model.embedded import smollm2_gguf
     from llmopt.runtime.weights import load_model
 
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 products as float32 (the CPU's)
     torch.backends.cudnn.allow_tf32 = False
-    base = smollm2_gguf()
     cpu = load_model(str(base), "float32", "cpu", packed=False)
     ids = cpu.tokenizer.encode(PROMPT)
     tokens, _ = _greedy(cpu.model, ids, 64)
@@ -124,14 +125,14 @@ def smollm2_cuda_vs_cpu(tmp: Path, device: str = "cuda") -> None:
                 logits = _logits(kept, ids)
                 row = {"vs_cpu_float32": _compare(ref_logits, ref_tokens, logits, got), "tok_s": round(tok_s, 1),
                        "held_mib": round(held_bytes(kept) / 2**20, 1), "modules": _module_kinds(kept)}
-                row["compiled_tok_s"] = round(_greedy(kept, ids, 64, compile=True)[1], 1)
                 dense = load_model(str(path), dtype, device, packed=False).model
-                dense_tokens, row["dequantized_tok_s"] = _greedy(dense, ids, 64)
+                dense_tokens, dense_tok_s = _greedy(dense, ids, 64)
+                row["dequantized_tok_s"] = round(dense_tok_s, 1)
                 row["vs_dequantized_same_device_dtype"] = _compare(_logits(dense, ids), dense_tokens, logits, got)
-                report(f"smollm2_{mix}_kept_quantized_cuda_{dtype}", row)
+                report(f"smollm2_{mix}_kept_quantized_{device}_{dtype}", row)
                 del kept, dense
             except Exception:  # report, go on with the others
-                report(f"smollm2_{mix}_kept_quantized_cuda_{dtype}", {"error": traceback.format_exc()[-1500:]})
+                report(f"smollm2_{mix}_kept_quantized_{device}_{dtype}", {"error": traceback.format_exc()[-1500:]})
     for bits, dtype in ((4, "bfloat16"), (3, "float32")):  # tinygemm; bit planes (exact float math)
         gptq = tmp / f"smollm2-gptq-w{bits}g128"
         r = subprocess.run([sys.executable, "-m", "llmopt.cli.app", "quantize", str(base), "-o", str(gptq), "--method",
@@ -284,11 +285,21 @@ def _to_cpu(qt):
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checks", nargs="*", help="names of checks to run (default: all but the *_eager ones)")
+    ap.add_argument("--smollm2", type=Path, help="SmolLM2's GGUF (default: the embedded model's package)")
+    args = ap.parse_args()
     report("device", {"name": torch.cuda.get_device_name(0), "torch": torch.__version__})
-    only = set(sys.argv[1:])  # names of checks to run (default: all)
+    only = set(args.checks)
     with tempfile.TemporaryDirectory() as tmp:
-        checks = {"grids": grids_cuda_vs_cpu, "gptq": lambda: gptq_cuda_vs_cpu(Path(tmp)),
-                  "smollm2": lambda: smollm2_cuda_vs_cpu(Path(tmp)),
+        def smollm2() -> None:
+            from llmopt.model.embedded import smollm2_gguf
+
+            smollm2_cuda_vs_cpu(Path(tmp), args.smollm2 or smollm2_gguf())
+
+        checks = {"grids": grids_cuda_vs_cpu, "gptq": lambda: gptq_cuda_vs_cpu(Path(tmp)), "smollm2": smollm2,
                   "decode": lambda: decode_vs_transformers(Path(tmp)), "roofline": roofline}
         for kind, name in (("Q4_K_M", "q4km"), ("GPTQ", "gptq8b")):
             for compile, suffix in ((True, ""), (False, "_eager")):

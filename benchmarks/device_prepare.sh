@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Prepares benchmarks/runtime_cuda.py for a lent GPU machine that can reach nothing and is sent at most
+# 64 MiB a call: the Python packages llmopt needs that its image lacks (as wheels for its Python 3.12,
+# the versions installed here), and SmolLM2's GGUF (94 MiB) in two halves, one for each of two calls.
+# Run here from the repository root after `make install`; it prints the two commands to run there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+for d in /.whl/ /.dev/; do grep -qxF "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
+rm -rf .whl .dev && mkdir -p .whl .dev/a .dev/b
+# gguf (the format), greenlet (staged quantization), pydantic (recipes, typer): not in the image
+wanted=$($PY -m pip freeze | grep -iE '^(gguf|greenlet|pydantic|pydantic[-_]core|annotated[-_]types|typing[-_]inspection)==')
+# shellcheck disable=SC2086
+$PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl $wanted
+smol=$($PY -c "from llmopt.model.embedded import smollm2_gguf; print(smollm2_gguf())")
+half=$(( ($(stat -c %s "$smol") + 1) / 2 ))
+head -c "$half" "$smol" > .dev/a/smollm2.part
+tail -c +"$((half + 1))" "$smol" > .dev/b/smollm2.part
+sum=$(sha256sum "$smol" | cut -c1-64)
+du -sh .whl .dev/a .dev/b
+install='python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1'
+cat <<EOF
+Call 1 (carry .whl .dev/a; the 8B-shaped numbers, ~5 min): keeps the first half on the machine
+  mkdir -p /tmp/llmopt && cp .dev/a/smollm2.part /tmp/llmopt/a && $install && python3 benchmarks/runtime_cuda.py roofline q4km gptq8b 2>&1 | tee \$OUT/roofline.jsonl
+Call 2, within the machine's warm time after call 1 (carry .whl .dev/b; correctness, ~4 min):
+  test -f /tmp/llmopt/a || { echo "machine went cold: first half gone"; exit 3; }; cat /tmp/llmopt/a .dev/b/smollm2.part > /tmp/llmopt/smollm2.gguf && echo "$sum  /tmp/llmopt/smollm2.gguf" | sha256sum -c && $install && python3 benchmarks/runtime_cuda.py grids gptq smollm2 decode --smollm2 /tmp/llmopt/smollm2.gguf 2>&1 | tee \$OUT/checks.jsonl
+EOF

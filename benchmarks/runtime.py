@@ -190,7 +190,7 @@ def main() -> None:
                 "same_text": p["text"] == q["text"],
             }
 
-        if args.gptq:  # a 4-bit GPTQ checkpoint of the same model: packed int4 kernel vs dequantized
+        if args.gptq:  # a GPTQ checkpoint of the same model: packed (`--dtype`'s path) vs dequantized
             for mode, packed in (("packed_int4", True), ("dequantized", False)):
                 g = load_model(args.gptq, args.dtype, args.device, packed=packed)
                 gq = Generator(g.model, g.tokenizer)

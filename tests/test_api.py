@@ -50,8 +50,8 @@ def test_smollm2_through_the_api(smollm2_hf: Path, tmp_path: Path) -> None:
     data = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"
     result = llmopt.quantize(smollm2_hf, tmp_path / "gptq", method="gptq", bits=4, group_size=64,
                              calib=str(data / "valid.txt"), nsamples=8, seqlen=128)
-    packed = llmopt.load(result.output)  # 4-bit layers on the int4 kernel (bfloat16 activations)
-    assert any(type(m).__name__ == "PackedInt4Linear" for m in packed.model.modules())
+    packed = llmopt.load(result.output)  # 4-bit layers as bit planes (float32 math)
+    assert any(type(m).__name__ == "GroupIntLinear" for m in packed.model.modules())
     out = llmopt.generate(packed, "The capital of France is", max_tokens=16, ignore_eos=True)
     assert len(out.token_ids) == 16 and out.text.strip()
     res, gates, _ = llmopt.evaluate(result.output, data / "test.txt", ref=smollm2_hf, ctx=128, windows=4, min_top1=70)

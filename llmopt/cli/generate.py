@@ -19,8 +19,9 @@ ThreadsOpt = Annotated[int, typer.Option("--threads", help="CPU threads for torc
 KeepQuantizedOpt = Annotated[bool, typer.Option("--keep-quantized", help="GGUF on CPU: keep the weights quantized in "
                                                 "memory even when dequantized they would fit (decode faster, prefill "
                                                 "slower, the first step compiles the products). --compile implies it.")]
-PackedOpt = Annotated[bool, typer.Option("--packed-int4/--dequantize", help="GPTQ 4-bit on CPU: keep weights packed "
-                                         "(int4 kernel, bfloat16 activations, faster) or dequantize them (exact). "
+PackedOpt = Annotated[bool, typer.Option("--packed-int4/--dequantize", help="GPTQ/AWQ: keep weights packed "
+                                         "(bit planes; with --dtype bfloat16 4-bit layers take the int4 kernel, "
+                                         "faster, not exact) or dequantize them. "
                                          "GGUF on CPU stays quantized in memory when dequantized it would not fit "
                                          "(half the available memory); --dequantize always dequantizes.")]
 

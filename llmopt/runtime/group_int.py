@@ -1,6 +1,7 @@
-"""GPTQ and AWQ layers the int4 kernel does not take (2, 3 and 8 bits; group sizes outside 32..256), kept as
-their codes instead of dequantized: W = (q - z) s per group, the checkpoint's bits per weight. Built on the
-CPU and moved to the model's device (on CUDA the product compiles for the GPU; not yet run on one).
+"""GPTQ and AWQ layers the int4 kernel does not take (a float32 model's; 2, 3 and 8 bits; group sizes outside
+32..256), kept as their codes instead of dequantized: W = (q - z) s per group, the checkpoint's bits per
+weight. Built on the CPU and moved to the model's device (on CUDA the product compiles for the GPU; not yet
+run on one).
 
 The codes are held in bit planes of 8, 4 or 2 bits (3 bits: a 2-bit and a 1-bit plane), each packing
 a group of 32 inputs as Q4_0 packs its nibbles: byte i of a p-bit plane holds inputs i + 4p·t at bit p·t.

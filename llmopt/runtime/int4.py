@@ -5,8 +5,11 @@ per group, so the same weights are expressed with m = (8 - z) * s (GGUF's Q4_0/Q
 gguf_linear.py). s and m are held in bfloat16, so a scale is exact only where its value fits bfloat16's
 8-bit mantissa (GPTQ/AWQ written by llmopt store float16 scales: not always). The kernels need plain
 contiguous groups (no act-order permutation), 4 bits, and a group size they tile (32..256) that
-divides the input width; other layers (act-order ones too) are held as bit planes on CPU where they can
-be (group_int.py) and dequantized otherwise.
+divides the input width. They take a bfloat16 model's layers only: in a float32 model a 4-bit layer is held
+as bit planes (group_int.py), whose products keep float32 math (SmolLM2 w4 g64, 2 CPU threads, 64 tokens:
+the int4 kernel 53-56 tok/s with logits 1% off the dequantized model's and greedy tokens apart after 17;
+bit planes 40-43 tok/s, 3e-6 off, all 64 the same). Other layers (act-order ones too) are bit planes where
+they can be and dequantized otherwise.
 
 The two devices take the same (codes, scale/offset pairs) in two packings: the CPU kernel packs int32
 codes itself (`_convert_weight_to_int4pack_for_cpu`); CUDA's (tinygemm, `_convert_weight_to_int4pack`)
@@ -28,10 +31,12 @@ GROUP_SIZES = (32, 64, 128, 256)
 KERNEL_DTYPE = torch.bfloat16
 
 
-def packable(qt: QuantizedTensor, device: torch.device) -> bool:
+def packable(qt: QuantizedTensor, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a layer takes the int4 kernel: in a bfloat16 model only (its activations enter as bfloat16; a
+    float32 model keeps float32 math, group_int.py's bit planes, as GGUF's Q4 types do), in a shape it tiles."""
     out_f, in_f = qt.shape
     gs = qt.group_size
-    return (qt.bits == 4 and qt.zeros is not None and kernel_shape_ok(out_f, in_f, gs, device)
+    return (dtype == KERNEL_DTYPE and qt.bits == 4 and qt.zeros is not None and kernel_shape_ok(out_f, in_f, gs, device)
             and torch.equal(qt.group_index(), torch.arange(in_f) // gs))
 
 

@@ -69,8 +69,9 @@ def load_model(spec: str, dtype: str = "auto", device: str = "auto", packed: boo
 def build_decoder(source: ModelSource, dtype: torch.dtype, device: torch.device, packed: bool = True,
                   gguf_quantized: bool | None = None) -> Decoder:
     """Float sources: in the dtype. GGUF with `packed`: weights stay quantized (gguf_linear.py)
-    when `gguf_quantized` says so (None: when `keep_gguf_quantized`); otherwise dequantized into the dtype. GPTQ and AWQ: 4-bit layers stay packed where the
-    int4 kernel applies (`packed`), the rest is dequantized layer by layer. On CPU, float linears
+    when `gguf_quantized` says so (None: when `keep_gguf_quantized`); otherwise dequantized into the dtype.
+    GPTQ and AWQ with `packed`: layers stay packed (a bfloat16 model's 4-bit ones on the int4 kernel, the
+    others as bit planes) where their shapes allow, the rest is dequantized layer by layer. On CPU, float linears
     take the row-major layout that streams weights fastest (see row_major.py), and the weights then
     move into one contiguous block (arena.py)."""
     if isinstance(source, PackedDirSource):
@@ -127,7 +128,7 @@ def _packed_decoder(source: PackedDirSource, dtype: torch.dtype, device: torch.d
         module = name.removesuffix(".weight")
         if packed and name.endswith(".weight") and module in source.modules:
             qt = source.quantized(module)
-            if packable(qt, device):
+            if packable(qt, device, dtype):
                 kept[hf_to_param_name(module)] = (qt, lambda q, bias: PackedInt4Linear.from_quantized(q, bias, device))
                 continue
             if group_int.kept(qt):  # (built on the CPU, then moved)

@@ -20,6 +20,7 @@ from llmopt.quant.awq import AWQConfig
 from llmopt.quant.gptq import GPTQConfig
 from llmopt.quant.pipeline import QuantizeSpec, quantize_model
 from llmopt.quant.rtn import RTNConfig
+from llmopt.runtime.group_int import GroupIntLinear
 from llmopt.runtime.int4 import PackedInt4Linear
 from llmopt.runtime.weights import build_decoder
 from tests.factories import CORPUS, write_checkpoint
@@ -57,11 +58,15 @@ def test_checkpoint_stores_fused_linears_and_reads_back_the_parts(phi3, tmp_path
         logits = Decoder.from_source(q)(ids(16))
         assert torch.isfinite(logits).all()
         if fmt == "awq":  # the runtime keeps each part packed (rows of the fused packed linear)
-            runtime = build_decoder(q, torch.float32, torch.device("cpu"), packed=True)
+            exact = build_decoder(q, torch.float32, torch.device("cpu"), packed=True)  # bit planes, float32 math
+            assert sum(isinstance(m, GroupIntLinear) for m in exact.modules()) == 2 * 4  # q/k/v, gate/up stacked
+            with torch.no_grad():
+                assert (exact(ids(16)) - logits).abs().max() <= 1e-3 * logits.abs().max()
+            runtime = build_decoder(q, torch.bfloat16, torch.device("cpu"), packed=True)
             assert sum(isinstance(m, PackedInt4Linear) for m in runtime.modules()) == 2 * 7
             with torch.no_grad():
-                diff = (runtime(ids(16)) - logits).abs().max()
-            assert diff < 0.05 * logits.abs().max()  # bfloat16 activations in the int4 kernel
+                diff = (runtime(ids(16)).float() - logits).abs().max()
+            assert diff < 0.05 * logits.abs().max()  # a bfloat16 model, bfloat16 activations in the int4 kernel
 
 
 def test_gptq_checkpoint_end_to_end(phi3, tmp_path) -> None:

@@ -59,8 +59,11 @@ def test_int4_gguf_types_pack_for_the_cuda_kernel_in_bfloat16(qtype):
 def test_gptq_layers_pack_for_the_device_they_run_on():
     out_f, in_f, gs = 24, 192, 64
     qt = QuantizedTensor(codes=torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8),
-                         scales=torch.rand(out_f, in_f // gs), bits=4, group_size=gs, zeros=torch.full((out_f, in_f // gs), 8.0))
-    assert packable(qt, CUDA) and not packable(qt, torch.device("cpu"))  # CUDA packs 8 rows at a time, the CPU 16
+                         scales=torch.rand(out_f, in_f // gs), bits=4, group_size=gs,
+                         zeros=torch.full((out_f, in_f // gs), 8.0))
+    bf16 = torch.bfloat16
+    assert packable(qt, CUDA, bf16) and not packable(qt, torch.device("cpu"), bf16)  # CUDA packs 8 rows, the CPU 16
+    assert not packable(qt, CUDA, torch.float32)  # a float32 model keeps float32 math: bit planes
     mode = FakeTensorMode()
     bias = mode.from_tensor(torch.randn(out_f))
     qt = QuantizedTensor(**{k: mode.from_tensor(v) if torch.is_tensor(v) else v for k, v in vars(qt).items()})

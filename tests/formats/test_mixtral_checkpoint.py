@@ -101,8 +101,10 @@ def test_gptq_onto_the_q4_k_m_grids_runs_in_llama_cpp(mixtral, tmp_path) -> None
     with open_model(out) as src, torch.no_grad():
         ours = Decoder.from_source(src)(x)[0]
     theirs = llama_cpp_logits(out, x[0].tolist())
-    # llama.cpp rounds the activations to Q8_K for Q4_K/Q6_K dot products: 0.0163 measured, hence atol 0.05
-    assert_same_top1(ours, theirs, "mixtral GPTQ Q4_K_M", atol=0.05)
+    # llama.cpp rounds the activations to Q8_K for Q4_K/Q6_K dot products: 0.0163 measured on an AMD EPYC,
+    # 0.0336 on an Intel Xeon (AVX512-VNNI), hence atol 0.05; there 11 of the 40 positions are clear of a
+    # near-tie at 4x that difference, so a quarter must be
+    assert_same_top1(ours, theirs, "mixtral GPTQ Q4_K_M", atol=0.05, min_clear=0.25)
 
 
 def test_gptaq_is_refused_for_experts_with_a_one_line_error(mixtral, tmp_path) -> None:

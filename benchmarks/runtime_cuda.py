@@ -73,13 +73,14 @@ def decode_vs_transformers(tmp: Path) -> None:
                                               "tokens_equal_prefix": same})
 
 
-def _greedy(model, ids: list[int], tokens: int, compile: bool = False) -> tuple[list[int], float]:
+def _greedy(model, ids: list[int], tokens: int) -> tuple[list[int], float]:
+    from benchmarks.runtime import bench_llmopt
     from llmopt.runtime.generate import Generator
 
-    gen = Generator(model, None, eos=set(), compile=compile)
-    gen.generate(ids, 4, ignore_eos=True)  # warm-up: the products compile
-    r = gen.generate(ids, tokens, ignore_eos=True)
-    return r.token_ids, r.metrics.tokens_per_s
+    gen = Generator(model, None, eos=set())
+    bench_llmopt(gen, ids, 4)  # warm-up: the products compile
+    r = bench_llmopt(gen, ids, tokens)
+    return r["tokens"], r["tokens_per_s"]
 
 
 def _logits(model, ids: list[int]) -> torch.Tensor:
@@ -194,15 +195,14 @@ def quantized_8b(kind: str, compile: bool, device: torch.device = torch.device("
     for path in linears:
         out_f, in_f = model.get_submodule(path).weight.shape
         if kind == "GPTQ":
-            g = torch.Generator(device=device).manual_seed(len(path))  # (CPU: the kernel's 16-row packing)
+            g = torch.Generator(device=device).manual_seed(len(path))
             codes = torch.randint(0, 16, (out_f, in_f), device=device, generator=g, dtype=torch.uint8)
             scales = torch.rand(out_f, in_f // 128, device=device, generator=g) * 0.01
             module = PackedInt4Linear(codes, scales, -8 * scales, 128, None)
         else:
             blocks = _tiled_blocks(types[path], out_f, in_f)
             module = quantized_linear(types[path], blocks, None, torch.bfloat16, device)
-        parent, _, child = path.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, module)
+        model.set_submodule(path, module)
     floats = {n: (torch.randn(p.shape, device=device) * 0.02 if p.dim() == 2 else torch.ones(p.shape, device=device))
               for n, p in model.named_parameters() if p.is_meta}
     model.load_state_dict({n: t.to(torch.bfloat16) for n, t in floats.items()}, strict=False, assign=True)

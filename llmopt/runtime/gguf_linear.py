@@ -44,7 +44,7 @@ from llmopt.runtime.gguf_gemv import (bind_product, f16_gemv, fifth_bits, int8_g
 from llmopt.runtime.int4 import KERNEL_DTYPE, PackedInt4Linear, kernel_shape_ok
 
 Q = GGMLQuantType
-IQ4_LEVELS = torch.tensor(IQ4_VALUES, dtype=torch.float32)  # IQ4Linear's tiles look the levels up
+IQ4_LEVELS = torch.tensor(IQ4_VALUES, dtype=torch.float32)  # IQ4Linear's tiles look the levels up (its `lookup`)
 # Float weights rebuilt per tile of rows, about this many bytes: small enough to stay in cache while the
 # product reads it, large enough that the rebuild's eager ops and the tiles' products are not many small
 # calls. A 7B's 11008x4096 Q4_0 over 256 rows, 2 threads: 230 ms in 1 MB tiles, 187 in 8, 196 in 16,
@@ -407,9 +407,11 @@ class IQ4Linear(FieldLinear):
     ls per 32 (IQ4_XS; ls unpacked to int8 at load: 137 bytes a block for 136)."""
 
     gemv = staticmethod(iq4_gemv)
+    shared = ("lookup",)  # the levels, a buffer so that they move with the module (CUDA)
 
     def __init__(self, qtype: GGMLQuantType, data: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
+        self.register_buffer("lookup", IQ4_LEVELS, persistent=False)
         out = data.shape[0]
         if qtype == Q.IQ4_NL:  # d, qs[16]
             b = data.reshape(out, -1, 18)
@@ -434,7 +436,7 @@ class IQ4Linear(FieldLinear):
     def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
         p = lane_rows(self.codes, index)
         scale = group_scales(self.a, self.a_mult, index, self.per)
-        return (scale[..., None] * IQ4_LEVELS.to(p.device)[group_codes(p).long()]).reshape(p.shape[0], -1)
+        return (scale[..., None] * self.lookup[group_codes(p).long()]).reshape(p.shape[0], -1)
 
 
 class F16Linear(FieldLinear):

@@ -41,13 +41,13 @@ def packable(qt: QuantizedTensor, device: torch.device, dtype: torch.dtype) -> b
 
 
 def kernel_shape_ok(out_features: int, in_features: int, group_size: int, device: torch.device) -> bool:
-    """The CPU kernel packs output rows 16 at a time and tiles groups of 32..256 inputs; CUDA's packs rows
-    8 at a time and inputs in tiles of 32 or more (`inner_k_tiles`)."""
+    """Both kernels tile groups of 32..256 inputs (so whole tiles of 32, `inner_k_tiles`' least); the CPU's
+    packs output rows 16 at a time, CUDA's 8."""
     if group_size not in GROUP_SIZES or in_features % group_size:
         return False
     if device.type == "cpu":
         return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and out_features % 16 == 0
-    return device.type == "cuda" and out_features % 8 == 0 and in_features % 32 == 0
+    return device.type == "cuda" and out_features % 8 == 0
 
 
 def inner_k_tiles(in_features: int) -> int:

@@ -159,12 +159,13 @@ def _gguf_decoder(source: GGUFSource, dtype: torch.dtype, device: torch.device) 
         qtype, data = raw_rows(source, name)
         path = hf_to_param_name(name).removesuffix(".weight")
         if path == "embed_tokens":
-            embed = RawGGUFEmbedding(qtype, data.to(device), dtype)
-            if "lm_head.weight" not in source.tensors:  # tied: one quantized table serves both
+            tied = "lm_head.weight" not in source.tensors  # one quantized table serves both
+            if tied:
                 model.lm_head = quantized_linear(qtype, data, None, dtype, device)
-                if hasattr(model.lm_head, "rows"):  # (the int4 kernel's packing cannot give rows back)
-                    embed = TiedQuantizedEmbedding(model.lm_head, dtype)
-            model.embed_tokens = embed
+            if tied and hasattr(model.lm_head, "rows"):  # (the int4 kernel's packing cannot give rows back)
+                model.embed_tokens = TiedQuantizedEmbedding(model.lm_head, dtype)
+            else:
+                model.embed_tokens = RawGGUFEmbedding(qtype, data.to(device), dtype)
         else:
             _replace(model, path, quantized_linear(qtype, data, model.get_submodule(path).bias, dtype, device))
         del data

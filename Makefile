@@ -46,8 +46,10 @@ demo: $(BASE)
 	$(VENV)/bin/llmopt generate $(DEMO)-gptq-4bit -p "The three primary colors are" -n 32
 	$(VENV)/bin/llmopt generate $(DEMO)-Q4_K_M.gguf -p "The three primary colors are" -n 32
 
+# One worker per core, each test file on one worker (its module fixtures, e.g. a quantized SmolLM2, are
+# built once); at most 4, as each worker holds its own models in memory.
 test: install
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n auto --maxprocesses 4 --dist loadfile
 
 bench: install
 	$(PY) benchmarks/convert_gguf_to_hf.py

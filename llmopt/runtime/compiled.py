@@ -53,8 +53,8 @@ class StaticDecodeStep(nn.Module):
         return self.after_embedding(self.model.embed(token.view(1, 1)), pos)
 
     def after_embedding(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """The part that is compiled: the embedding lookup stays eager, since the lookup of a GGUF
-        embedding kept quantized dequantizes its rows with numpy (no graph), and costs one op."""
+        """The part that is compiled: the embedding lookup stays eager, since a GGUF embedding of a type
+        without a field module dequantizes its rows with numpy (no graph), and it costs one op."""
         rope = self.cos.index_select(0, pos), self.sin.index_select(0, pos)  # [1, head_dim]
         h = self.model.hidden_of(x, pos, self.cache, rope)
         return self.model.lm_head(h)[0, -1]

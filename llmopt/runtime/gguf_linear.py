@@ -22,7 +22,7 @@ Each 2-D weight of a quantized (or F16) type takes one of these paths:
 A batch-1 decode step's input to the float paths but RawGGUFLinear (any float dtype) takes a compiled
 product over the stored fields instead (gguf_gemv.py, gguf_lattice.py, gguf_codes.py; equal to float32
 rounding; per type and shape against a float32 weight: benchmarks/decode_products.py, docs/generate.md).
-Embeddings keep the block bytes and dequantize only the looked-up rows. Peak memory is the quantized
+Embeddings stay quantized the same way (`QuantizedEmbedding`) and dequantize only the looked-up rows. Peak memory is the quantized
 weights plus one tile of float rows (TILE_BYTES).
 """
 
@@ -524,28 +524,17 @@ class RawGGUFLinear(nn.Module):
         return tiled_linear(x, self.out_features, self.in_features, self.rows, self.bias)
 
 
-class RawGGUFEmbedding(nn.Module):
-    """Token embeddings as block bytes; a lookup dequantizes only the rows it reads."""
+class QuantizedEmbedding(nn.Module):
+    """Token embeddings read from a quantized module's rows, dequantizing only the rows looked up: the
+    tied LM head's (the table held once) or the table's own module (`quantized_table`). Torch ops on the
+    module's device but for a type without a field module (RawGGUFLinear's rows: numpy, on the CPU)."""
 
-    def __init__(self, qtype: GGMLQuantType, data: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, table: nn.Module, dtype: torch.dtype):
         super().__init__()
-        self.qtype, self.dtype = qtype, dtype
-        self.register_buffer("blocks", data)
+        self.table, self.dtype = table, dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = dequantize_rows(self.qtype, self.blocks[ids.reshape(-1)])
-        return rows.reshape(*ids.shape, -1).to(self.dtype)
-
-
-class TiedQuantizedEmbedding(nn.Module):
-    """Token embeddings read from a tied LM head's quantized rows, so the table is held once."""
-
-    def __init__(self, head: nn.Module, dtype: torch.dtype):
-        super().__init__()
-        self.head, self.dtype = head, dtype
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head.rows(ids.reshape(-1)).reshape(*ids.shape, -1).to(self.dtype)
+        return self.table.rows(ids.reshape(-1)).reshape(*ids.shape, -1).to(self.dtype)
 
 
 def _layout(m: nn.Module) -> tuple:
@@ -596,6 +585,12 @@ def quantized_linear(qtype: GGMLQuantType, data: torch.Tensor, bias: torch.Tenso
             return PackedInt4Linear(*(t.to(device) for t in (codes, scales, offsets)), 32,
                                     None if bias is None else bias.to(device))
     return _field_linear(qtype, data, bias).to(device)
+
+
+def quantized_table(qtype: GGMLQuantType, data: torch.Tensor, device: torch.device | None = None) -> nn.Module:
+    """A GGUF table read by rows (an untied embedding) held in its quantized form: the type's field module,
+    as for a linear but never the int4 kernel, whose packing cannot give rows back."""
+    return _field_linear(qtype, data, None).to(data.device if device is None else device)
 
 
 def _field_linear(qtype: GGMLQuantType, data: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:

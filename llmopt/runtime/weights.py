@@ -26,8 +26,8 @@ from llmopt.model.gguf_file import GGUFSource
 from llmopt.model.quantized_dir import PackedDirSource
 from llmopt.runtime import group_int
 from llmopt.runtime.arena import pack_contiguously
-from llmopt.runtime.gguf_linear import (RawGGUFEmbedding, TiedQuantizedEmbedding, kept_quantized, quantized_linear,
-                                        raw_rows, stacked)
+from llmopt.runtime.gguf_linear import (QuantizedEmbedding, kept_quantized, quantized_linear, quantized_table, raw_rows,
+                                        stacked)
 from llmopt.runtime.int4 import PackedInt4Linear, packable
 from llmopt.runtime.row_major import fuse_shared_inputs, use_row_major_linears
 from llmopt.quantized_tensor import QuantizedTensor
@@ -162,10 +162,9 @@ def _gguf_decoder(source: GGUFSource, dtype: torch.dtype, device: torch.device) 
             tied = "lm_head.weight" not in source.tensors  # one quantized table serves both
             if tied:
                 model.lm_head = quantized_linear(qtype, data, None, dtype, device)
-            if tied and hasattr(model.lm_head, "rows"):  # (the int4 kernel's packing cannot give rows back)
-                model.embed_tokens = TiedQuantizedEmbedding(model.lm_head, dtype)
-            else:
-                model.embed_tokens = RawGGUFEmbedding(qtype, data.to(device), dtype)
+            shared = tied and hasattr(model.lm_head, "rows")  # (the int4 kernel's packing cannot give rows back)
+            model.embed_tokens = QuantizedEmbedding(model.lm_head if shared else quantized_table(qtype, data, device),
+                                                    dtype)
         else:
             _replace(model, path, quantized_linear(qtype, data, model.get_submodule(path).bias, dtype, device))
         del data

@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from llmopt.model import open_model
 from llmopt.quantized_tensor import QuantizedTensor
 from llmopt.runtime import weights
-from llmopt.runtime.gguf_linear import FieldLinear, int4_parts, quantized_linear
+from llmopt.runtime.gguf_linear import FieldLinear, QuantizedEmbedding, int4_parts, quantized_linear, quantized_table
 from llmopt.runtime.group_int import GroupIntLinear
 from llmopt.runtime.int4 import PackedInt4Linear, cuda_int4_input, inner_k_tiles, kernel_shape_ok, packable
 from tests.formats.gguf.models import make_wide_hf
@@ -41,6 +41,9 @@ def test_field_linears_compute_everything_on_the_weights_device(qtype):
     assert (y.shape, y.device) == ((3, 48), META)
     one = layer.gemv(x[0], *layer.fields())  # a decode step's product (compiled there; here its ops)
     assert one.device == META and one.shape[0] >= 48
+    emb = QuantizedEmbedding(quantized_table(qtype, _blocks(qtype, rows=48), META), torch.bfloat16)
+    rows = emb(torch.tensor([[3, 0, 47]], device=META))  # an untied embedding: no numpy, no CPU round trip
+    assert (rows.shape, rows.dtype, rows.device) == ((1, 3, 512), torch.bfloat16, META)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])

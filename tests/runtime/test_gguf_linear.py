@@ -18,8 +18,8 @@ from llmopt.quant.grids import quantize
 from llmopt.runtime.gguf_codes import CodeLinear
 from llmopt.runtime.gguf_lattice import LatticeLinear
 from llmopt.runtime.gguf_linear import (F16Linear, Int8GroupLinear, IQ4Linear, KLowLinear, NibbleLinear, Q6KLinear,
-                                        RawGGUFEmbedding, RawGGUFLinear, TiedQuantizedEmbedding, int4_parts,
-                                        quantized_linear, stacked)
+                                        QuantizedEmbedding, RawGGUFLinear, int4_parts,
+                                        quantized_linear, quantized_table, stacked)
 from llmopt.runtime.int4 import PackedInt4Linear
 from llmopt.runtime.weights import load_model
 from tests.formats.gguf.models import make_wide_hf
@@ -73,7 +73,7 @@ def test_float32_linears_equal_the_dequantized_linear_exactly(qtype, cls, monkey
     assert held <= 1.04 * data.numel(), (held, data.numel())  # about the file's (Q4_K 148 for 144, IQ1_M 58 for 56)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, ref))
     ids = torch.tensor([[5, 0, 47], [5, 5, 1]])  # the same rows serve a tied embedding
-    assert torch.equal(TiedQuantizedEmbedding(layer, torch.float32)(ids), ref[ids])
+    assert torch.equal(QuantizedEmbedding(layer, torch.float32)(ids), ref[ids])
 
 
 def test_a_type_without_a_module_of_its_own_takes_the_reference_dequantizer_per_tile(monkeypatch):
@@ -116,12 +116,15 @@ def test_int4_kernel_rounds_only_scales_and_activations_to_bfloat16():
     torch.testing.assert_close(layer(x), bf(x) @ w.t(), rtol=2e-2, atol=2e-3)
 
 
-def test_embedding_dequantizes_the_rows_it_reads():
-    data = _blocks(Q.Q6_K, rows=10, cols=256)
-    emb = RawGGUFEmbedding(Q.Q6_K, data, torch.float32)
+@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q4_0, Q.IQ4_XS, Q.TQ2_0])
+def test_an_untied_embedding_keeps_its_table_quantized_and_dequantizes_the_rows_it_reads(qtype):
+    data = _blocks(qtype, rows=10, cols=256)
+    table = quantized_table(qtype, data)
+    assert not isinstance(table, (RawGGUFLinear, PackedInt4Linear))  # torch ops on the table's device
+    emb = QuantizedEmbedding(table, torch.bfloat16)
     ids = torch.tensor([[3, 0, 9], [3, 3, 1]])
-    ref = torch.from_numpy(dequantize(data.numpy(), Q.Q6_K))
-    assert torch.equal(emb(ids), ref[ids])
+    ref = torch.from_numpy(dequantize(data.numpy(), qtype))
+    assert torch.equal(emb(ids), ref[ids].to(torch.bfloat16))
 
 
 @pytest.fixture(scope="module")
@@ -163,13 +166,14 @@ def test_quantized_in_memory_model_gives_the_dequantized_logits(wide, tmp_path, 
     path = _write(wide(family), tmp_path / "m.gguf", mix, overrides)
     kept = load_model(str(path), "float32", "cpu", packed=True, gguf_quantized=True).model
     dense = load_model(str(path), "float32", "cpu", packed=False).model
-    layers = [m for m in kept.modules() if isinstance(m, QUANTIZED)]
+    table = kept.embed_tokens.table  # the embedding's quantized rows: the tied head's, else its own module
+    layers = [m for m in kept.modules() if isinstance(m, QUANTIZED) and (m is not table or m is kept.lm_head)]
     a = kept.arch  # every block linear and the LM head stay quantized (q/k/v, gate/up fused where types match)
     block_rows = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim + 2 * a.hidden_size + 2 * a.intermediate_size
     assert sum(m.out_features for m in layers) == a.num_layers * block_rows + a.vocab_size
     assert not any(isinstance(m, torch.nn.Linear) for m in kept.modules())
     tied = family == "qwen2" and not isinstance(kept.lm_head, PackedInt4Linear)
-    assert isinstance(kept.embed_tokens, TiedQuantizedEmbedding if tied else RawGGUFEmbedding)
+    assert isinstance(kept.embed_tokens, QuantizedEmbedding) and (kept.embed_tokens.table is kept.lm_head) == tied
     assert not any(isinstance(m, QUANTIZED) for m in dense.modules())
     ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -211,7 +215,7 @@ def test_by_default_a_gguf_stays_quantized_only_when_dequantized_it_would_not_fi
     assert not any(isinstance(m, QUANTIZED) for m in roomy.modules())
     monkeypatch.setattr(weights, "available_memory", lambda: 1 << 20)
     tight = load_model(str(path), "float32", "cpu").model
-    assert sum(isinstance(m, QUANTIZED) for m in tight.modules()) == 2 * 4 + 1  # q/k/v and gate/up fused
+    assert sum(isinstance(m, QUANTIZED) for m in tight.modules()) == 2 * 4 + 2  # q/k/v, gate/up fused; head, embedding
     assert not any(isinstance(m, QUANTIZED) for m in load_model(str(path), "float32", "cpu", packed=False).model.modules())
 
 
@@ -317,7 +321,7 @@ def test_compiled_decode_step_of_a_model_kept_quantized_gives_eager_tokens(wide,
 
     path = _write(wide("llama"), tmp_path / "m.gguf", mix, overrides)
     kept = load_model(str(path), "float32", "cpu", packed=True, gguf_quantized=True).model
-    assert isinstance(kept.embed_tokens, RawGGUFEmbedding)
+    assert isinstance(kept.embed_tokens, QuantizedEmbedding)
     assert {type(m) for m in kept.modules()} >= held
     prompt = [5, 17, 230, 9]
     eager = Generator(kept, None, eos=set()).generate(prompt, 8).token_ids

@@ -155,24 +155,12 @@ def smollm2_cuda_vs_cpu(tmp: Path, base: Path, device: str = "cuda") -> None:
             report(name, {"error": traceback.format_exc()[-1500:]})
 
 
-def _tiled_blocks(qtype, rows: int, cols: int) -> torch.Tensor:
-    """Block bytes [rows, ...] of `qtype`: 256 rows of a random matrix quantized by llmopt, repeated (for
-    speed only the bytes' amount matters; the scales stay finite)."""
-    import numpy as np
-
-    from llmopt.formats.gguf.blocks import pack
-    from llmopt.quant.grids import quantize
-
-    w = torch.randn(256, cols, generator=torch.Generator().manual_seed(cols)) * 0.02
-    slab = torch.from_numpy(np.ascontiguousarray(pack(quantize(qtype.name, w)))).view(torch.uint8).reshape(256, -1)
-    return slab.repeat(-(-rows // 256), 1)[:rows].contiguous()
-
-
 def quantized_8b(kind: str, compile: bool, device: torch.device = torch.device("cuda"), arch=None) -> dict:
     """Llama-3-8B-shaped decode with weights kept quantized: `Q4_K_M` (each tensor the type llama.cpp's mix
     gives it; bfloat16 model, so Q4_K takes the int4 kernel and Q6_K the fields' product) or `GPTQ` (int4
     g128, tinygemm). Bytes per token: every linear's held bytes. (`device`, `arch`: a small CPU run checks the
     script before a GPU's minutes are spent on it.)"""
+    from benchmarks.decode_products import block_rows
     from benchmarks.runtime import decode_roofline, llama3_8b_arch
     from benchmarks.runtime_quantized import RandomLlamaSource, held_bytes
     from llmopt.formats.gguf.writer import plan_gguf
@@ -200,7 +188,7 @@ def quantized_8b(kind: str, compile: bool, device: torch.device = torch.device("
             scales = torch.rand(out_f, in_f // 128, device=device, generator=g) * 0.01
             module = PackedInt4Linear(codes, scales, -8 * scales, 128, None)
         else:
-            blocks = _tiled_blocks(types[path], out_f, in_f)
+            blocks = block_rows(types[path].name, out_f, in_f)  # (speed: only the bytes' amount matters)
             module = quantized_linear(types[path], blocks, None, torch.bfloat16, device)
         model.set_submodule(path, module)
     floats = {n: (torch.randn(p.shape, device=device) * 0.02 if p.dim() == 2 else torch.ones(p.shape, device=device))

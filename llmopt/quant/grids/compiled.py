@@ -1,17 +1,19 @@
-"""The reference searches compiled with numba: the same float32 steps as `searches.py`, fused.
+"""llama.cpp's reference searches (ggml-quants.c), each defined once: float32 Python compiled with numba.
 
-The torch searches run a C loop over a block's n elements as n vectorized steps over all blocks, so
-each step is one small torch op over a chunk: thousands of ops per chunk, each a pass through memory
-and a trip through the dispatcher (with the GIL held in between, so threads scale poorly). Here the
-same arithmetic runs on tiles of `TILE` blocks held in L1: the inner loops go over the tile's
-blocks (independent lanes that LLVM vectorizes), the outer ones over the elements in index order,
-so every sum still adds its terms in C's order. Compiled without fastmath: no reassociation, no
-fused multiply-add, IEEE float32 division and sqrt, and np.rint rounds half to even as ggml's
-nearest_int does for the bounded arguments here. Every kernel releases the GIL.
+This module is the one definition of every GGUF search (the grids and `searches.py` call it; a
+weight on another device comes to the CPU for it, `layout.BlockGrid`). Written as torch ops, a C
+loop over a block's n elements would be n small vectorized steps, each a pass through memory and a
+trip through the dispatcher; here the arithmetic runs on tiles of `TILE` blocks held in L1: the
+inner loops go over the tile's blocks (independent lanes that LLVM vectorizes), the outer ones over
+the elements in index order, so every sum still adds its terms in C's order. Compiled without
+fastmath: no reassociation, no fused multiply-add, IEEE float32 division and sqrt, and np.rint rounds
+half to even as ggml's nearest_int does for the bounded arguments here. Every kernel releases the GIL. The kernels are
+plain Python too: `tests/quant/grids/test_compiled.py` runs them uncompiled (numba's `py_func`) and
+checks that the compiled code gives the same bits.
 
 Layout: x[B, n] row-major (block b's n elements contiguous: a weight's rows, `w.reshape(-1, n)`,
 without a copy), float32, C-contiguous; levels come back the same way. `searches.py` transposes its
-element-major [n, B] to call them. Importing this module imports numba; `searches.py` does so on first use.
+element-major [n, B] to call them. Importing this module imports numba; `searches.kernels()` does so on first use.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ GIVEN, SQUARES, RMS_ABS = 0, 1, 2
 
 @numba.njit(inline="always", **_JIT)  # called per block: no call overhead
 def _rounding_inverse(iscale: np.float32) -> np.float32:
-    """numerics.rounding_inverse: 0 for an inverse scale that overflowed."""
+    """An inverse scale to round `(x - min)·iscale` with, clamped at level 0 after: 0 where it overflowed
+    (a block of float32 denormals; C's nearest_int turns the ±inf and NaN products into level 0 too)."""
     return iscale if abs(iscale) <= _FLT_MAX else F32(0.0)
 
 
 @numba.njit(inline="always", **_JIT)  # called per element: no call overhead
 def _low_byte(v: np.float32) -> np.float32:
-    """numerics.c_low_byte: C's (int8_t)/(uint8_t) cast of ±inf or NaN keeps INT_MIN's low byte, 0."""
+    """C's (int8_t)/(uint8_t) cast on x86 of ±inf or NaN (1/d of a denormal block) keeps INT_MIN's low byte, 0."""
     return v if abs(v) <= _FLT_MAX else F32(0.0)
 
 
@@ -93,9 +96,10 @@ def _tile_absmax(xt: np.ndarray, mx: np.ndarray, amax: np.ndarray, eps: np.float
 @numba.njit(**_JIT)
 def qkx_search(x: np.ndarray, w: np.ndarray, mode: int, nmax: int, numerators: np.ndarray, mad: bool,
                scale_out: np.ndarray, min_out: np.ndarray, levels_out: np.ndarray) -> None:  # fmt: skip
-    """make_qkx2_quants / make_qkx3_quants (see searches.make_qkx_quants): scale [B], the_min [B]
-    (the negated min), levels [B, n] in [0, nmax]. `numerators[k]` is trial k's float32
-    `rmin + rdelta*k + nmax`."""
+    """make_qkx2_quants / make_qkx3_quants, the asymmetric search: scale [B], the_min [B] (the negated
+    min), levels [B, n] in [0, nmax]. `numerators[k]` is trial k's float32 `rmin + rdelta*k + nmax`.
+    Each trial inverse scale is measured from the best min so far, so the trials run in order; the
+    winning trial's levels are recomputed at the end from its inverse scale and the min it used."""
     blocks, n = x.shape
     fn, zero, one = F32(nmax), F32(0.0), F32(1.0)
     xt, wt, lt = np.empty((3, n, TILE), F32)  # the tile's values, weights and one trial's levels
@@ -180,7 +184,7 @@ def qkx_search(x: np.ndarray, w: np.ndarray, mode: int, nmax: int, numerators: n
 @numba.njit(**_JIT)
 def qx_search(x: np.ndarray, w: np.ndarray, mode: int, nmax: int, numerators: np.ndarray, eps: np.float32,
               scale_out: np.ndarray, levels_out: np.ndarray) -> None:  # fmt: skip
-    """make_qx_quants with rmse_type 1 (see searches.make_qx_quants): scale [B], levels [B, n] in
+    """make_qx_quants with rmse_type 1, the symmetric search: scale [B], levels [B, n] in
     [0, 2·nmax) (offset by +nmax; 0 for an all-zero block). Trial k's inverse scale is
     -numerators[k]/max, trial 0 being the plain one; a later trial wins if sumlx² > best·suml2."""
     blocks, n = x.shape
@@ -316,7 +320,8 @@ def affine_rows(x: np.ndarray, levels: int, codes: np.ndarray, d_out: np.ndarray
 # ------------------------------------------------------------------------------ IQ4_NL / IQ4_XS
 @numba.njit(inline="always", **_JIT)  # called per element or group: no call overhead
 def _table_level(a: np.float32, cell_value: np.ndarray, lowest: int) -> np.float32:
-    """The table level nearest to a, as iq4.Levels.nearest_values: the level of a's half-integer cell."""
+    """The table level nearest to a (llama.cpp's best_index_int8): the level of a's half-integer cell
+    (`iq4.Levels` builds `cell_value` and checks that rounding is constant on every cell)."""
     cell = min(max(np.floor(a * F32(2.0)), F32(lowest)), F32(lowest + cell_value.shape[0] - 1))
     return cell_value[np.int64(cell) - lowest]
 
@@ -324,7 +329,7 @@ def _table_level(a: np.float32, cell_value: np.ndarray, lowest: int) -> np.float
 @numba.njit(**_JIT)
 def iq4_scales(x: np.ndarray, w: np.ndarray, mode: int, cell_value: np.ndarray, lowest: int, v0: np.float32,
                ntry: int, eps: np.float32, scale_out: np.ndarray) -> None:  # fmt: skip
-    """quantize_row_iq4_nl_impl's sub-block scale (see iq4.sub_block_scales), blocks by rows: trial 0
+    """quantize_row_iq4_nl_impl's sub-block scale (IQ4_NL/IQ4_XS), blocks by rows: trial 0
     is -max/v0 inverted, then (t + v0)/max for t = -ntry..ntry; a trial wins when its Σwqx²/Σwq²
     beats the best so far."""
     blocks, n = x.shape
@@ -381,7 +386,7 @@ def _nearest_int_exact(v: np.float32, bits: np.ndarray) -> np.float32:
 @numba.njit(inline="always", **_JIT)  # called per group: no call overhead
 def _best_neighbour(x: np.ndarray, w: np.ndarray, values: np.ndarray, scale: np.float32, start: int,
                     neighbours: np.ndarray, coords: np.ndarray, terms: np.ndarray) -> int:  # fmt: skip
-    """lattice.Lattice.best_neighbour for one group, x and w its `dims` values and weights, whose candidates
+    """llama.cpp's iq2/iq3_find_best_neighbour for one group, x and w its `dims` values and weights, whose candidates
     are neighbours[start + 1 ...] (neighbours[start] of them, Lattice.compact_map): the first with the least
     Σ (q·scale - x)·w·(q·scale - x) in coordinate order, q = values[level] (torch's argmin: the first NaN
     wins). -1 without candidates. `terms` [dims, levels] is scratch."""
@@ -414,7 +419,7 @@ def _best_neighbour(x: np.ndarray, w: np.ndarray, values: np.ndarray, scale: np.
 @numba.njit(**_JIT)
 def neighbour_points(keys: np.ndarray, x: np.ndarray, w: np.ndarray, scale: np.ndarray, values: np.ndarray,
                      kmap: np.ndarray, neighbours: np.ndarray, coords: np.ndarray, out: np.ndarray) -> None:  # fmt: skip
-    """lattice.Lattice.best_neighbour for groups one by one: keys [m] (off the lattice), x/w [m, dims],
+    """llama.cpp's find_best_neighbour (`lattice.Lattice.best_neighbour`) for groups one by one: keys [m] (off the lattice), x/w [m, dims],
     scale [m], values [m or 1, levels] (what level l stands for) -> each group's best neighbour."""
     terms = np.empty((x.shape[1], values.shape[1]), F32)
     for r in range(keys.shape[0]):
@@ -427,7 +432,7 @@ def _lattice_round(xt: np.ndarray, wat: np.ndarray, inv: np.ndarray, scale: np.n
                    only: np.ndarray, use_only: bool, nmax: int, dims: int, nbits: int, index_of_key: np.ndarray,
                    neighbours: np.ndarray, values: np.ndarray, coords: np.ndarray,
                    levels: np.ndarray, off: np.ndarray, scratch: np.ndarray) -> None:  # fmt: skip
-    """iq_lattice.LatticeGrid._round for a tile: every group's lattice point at inverse scale inv[t]
+    """One trial's rounding of a tile (quantize_row_iq3_xxs_impl's inner loop): every group's lattice point at inverse scale inv[t]
     (an off-lattice group of a lane that is on: its best neighbour at scale[t], if searched, level l
     standing for values[l]; else point 0), as levels [n, TILE], and which groups were off [groups, TILE]."""
     n = xt.shape[0]
@@ -478,7 +483,7 @@ def lattice_search(xval: np.ndarray, weight: np.ndarray, waux: np.ndarray, base:
                    active: np.ndarray, numerators: np.ndarray, requant: int, nmax: int, dims: int, nbits: int,
                    index_of_key: np.ndarray, neighbours: np.ndarray, coords: np.ndarray, scale_out: np.ndarray,
                    levels_out: np.ndarray) -> None:  # fmt: skip
-    """iq_lattice.LatticeGrid._sub_block_search's trials and re-rounding, sub-blocks by rows [S, n], on
+    """The lattice i-quants' sub-block search (iq_lattice.LatticeGrid._search): the trials and re-rounding, sub-blocks by rows [S, n], on
     tiles of TILE sub-blocks: trial k's inverse scale is numerators[k]/base; the best Σwqx²/Σwq² wins;
     then groups are rounded again against the winning scale (`requant` 0: the off-lattice ones, 1: all,
     2: all if any was off) and the scale refitted. Writes the raw scale (before the sign flip and the
@@ -559,7 +564,7 @@ def _wrap_u8(v: np.float32) -> np.float32:
 @numba.njit(**_JIT)
 def qp_search(x: np.ndarray, w: np.ndarray, nmax: int, numerators: np.ndarray, eps: np.float32, wrap: bool,
               scale_out: np.ndarray, levels_out: np.ndarray) -> None:  # fmt: skip
-    """make_qp_quants (see searches.make_qp_quants), blocks by rows [B, n]: the plain inverse scale
+    """make_qp_quants, blocks by rows [B, n]: the plain inverse scale
     nmax/max, trials numerators[k]/max chosen by the least weighted squared error, then up to 5
     passes moving single levels. `wrap`: levels are kept modulo 256 (C's uint8 L) while the sums
     take each new level as the int it is."""
@@ -623,7 +628,7 @@ def qp_search(x: np.ndarray, w: np.ndarray, nmax: int, numerators: np.ndarray, e
 # ----------------------------------------------------------------------------------- make_q3_quants
 @numba.njit(**_JIT)
 def q3_search(x: np.ndarray, nmax: int, eps: np.float32, scale_out: np.ndarray, levels_out: np.ndarray) -> None:
-    """make_q3_quants with do_rmse (see searches.make_q3_quants), blocks by rows [B, n]: the inverse
+    """make_q3_quants with do_rmse, blocks by rows [B, n]: the inverse
     scale -nmax over the signed value of largest magnitude, x²-weighted sums, then up to 5 passes
     moving single levels; levels come back offset by +nmax."""
     blocks, n = x.shape
@@ -690,7 +695,8 @@ def _reset_scan(best: np.ndarray, chosen: np.ndarray) -> None:
 @numba.njit(inline="always", **_JIT)  # called per candidate and lane: no call overhead
 def _offer(qx: np.float32, q2: np.float32, t: int, i1: int, i2: int, k: int, best: np.ndarray,
            chosen: np.ndarray) -> None:  # fmt: skip
-    """iq1.py's _Scan.offer for one candidate of lane t: it wins when Σwq² > 0 and (Σwqx)² > best·Σwq²."""
+    """llama.cpp's running choice for one candidate of lane t: it wins when Σwq² > 0 and (Σwqx)² > best·Σwq²
+    (then scale = Σwqx/Σwq², best = scale·Σwqx; the first of equals stays)."""
     ok = q2 > F32(0.0) and qx * qx > best[0, t] * q2
     ratio = qx / (q2 if ok else F32(1.0))
     best[0, t] = ratio * qx if ok else best[0, t]
@@ -712,7 +718,7 @@ def _store_scan(best: np.ndarray, chosen: np.ndarray, b0: int, m: int, chosen_ou
 @numba.njit(**_JIT)
 def iq1_s_splits(ws: np.ndarray, wxs: np.ndarray, values: np.ndarray, chosen_out: np.ndarray,
                  scale_out: np.ndarray) -> None:  # fmt: skip
-    """IQ1_S's split scan (iq1.py's `_split_s`): ws/wxs [S, n] a sub-block's weights and weight·x in
+    """IQ1_S's split scan (quantize_row_iq1_s_impl): ws/wxs [S, n] a sub-block's weights and weight·x in
     sorted order; every split i1 <= i2 of that order into levels 0, 1, 2, with `values[k]` (k 0: the
     +1/8 shift, 1: -1/8) in llama.cpp's order. Out: the winning (i1, i2, k) [S, 3] (k -1: none won), its scale."""
     blocks, n = ws.shape
@@ -738,9 +744,9 @@ def iq1_s_splits(ws: np.ndarray, wxs: np.ndarray, values: np.ndarray, chosen_out
 @numba.njit(**_JIT)
 def iq1_m_splits(ws: np.ndarray, wxs: np.ndarray, second: np.ndarray, consts: np.ndarray, chosen_out: np.ndarray,
                  scale_out: np.ndarray) -> None:  # fmt: skip
-    """IQ1_M's split scan (iq1.py's `_split_m`): as iq1_s_splits with one shift per half (k = 2·first
+    """IQ1_M's split scan (quantize_row_iq1_m_impl): as iq1_s_splits with one shift per half (k = 2·first
     half's + second's, 1 meaning -1/8), from prefix sums kept per half (`second[b, j]`: sorted position
-    j holds a value of the second half). consts: p2, m2, cp1, cp2, cm1, cm2 as `_split_m` has them."""
+    j holds a value of the second half). consts: p2, m2, cp1, cp2, cm1, cm2 (iq1.py's UP[2], DOWN[2], SQUARE_STEPS)."""
     blocks, n = ws.shape
     zero = F32(0.0)
     p2, m2, cp1, cp2, cm1, cm2 = consts[0], consts[1], consts[2], consts[3], consts[4], consts[5]

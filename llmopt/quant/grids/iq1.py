@@ -16,9 +16,8 @@ d over the whole super-block with the chosen l and stores it ·1.1125. IQ1_S nee
 asserts), IQ1_M does not.
 
 The split search is exhaustive: 561×2 (IQ1_S) or 153×4 (IQ1_M) candidates per sub-block, scanned in
-llama.cpp's order with its float32 comparisons: on CPU by numba kernels over tiles of sub-blocks
-(`compiled.iq1_s_splits` / `iq1_m_splits`, and `neighbour_points` for the off-codebook groups), elsewhere
-by the torch ops here, vectorized over every sub-block of a chunk of rows. Both paths are byte-checked.
+llama.cpp's order with its float32 comparisons by numba kernels over tiles of sub-blocks
+(`compiled.iq1_s_splits` / `iq1_m_splits`, and `neighbour_points` for the off-codebook groups).
 Codes in the QuantizedTensor are 8·(g ± 1/8) + 128 (`bits` 8, symmetric) and scales d·(2l + 1)/8, so
 (code - 128)·scale is exactly gguf's dequantization; the packer recovers each group's point and shift.
 """
@@ -35,7 +34,7 @@ from llmopt.quant.grids.iq_lattice import CODE_OFFSET, GroupSearchGrid
 from llmopt.quant.grids.lattice import Lattice
 from llmopt.quant.grids.layout import QK_K, importance_major, per_block, superblock_sum_x2, to_rows
 from llmopt.quant.grids.numerics import blocks_major, c_float, c_sqrt, nearest_int_exact, positive_max, rdiv, safe_div, seq_sum
-from llmopt.quant.grids.searches import compiled_for, f32_array
+from llmopt.quant.grids.searches import f32_array, kernels
 from llmopt.quantized_tensor import QuantizedTensor
 
 IQ1_LATTICE = Lattice(IQ1_KGRID, dims=8, bits=2, nwant=3, levels=IQ1_LEVELS)
@@ -46,82 +45,6 @@ DOWN = (-1 - SHIFT, -SHIFT, 1 - SHIFT)  # ... with shift -1/8 (x_m)
 # IQ1_M's Σwq² terms as llama.cpp folds them: differences of squared level values, rounded to float32
 SQUARE_STEPS = tuple(c_float(v[a] * v[a] - v[a + 1] * v[a + 1]) for v in (UP, DOWN) for a in (0, 1))  # cp1, cp2, cm1, cm2
 CODE_STEP = 8  # codes are 8·(g ± 1/8) + 128: integers
-FLT_MAX = float(np.finfo(np.float32).max)
-
-
-def _prefix(t: torch.Tensor) -> torch.Tensor:
-    """Running sums from +0 in index order: [n, S] -> [n + 1, S] (C's sumx[j + 1] = sumx[j] + ...)."""
-    out = torch.zeros(t.shape[0] + 1, t.shape[1])
-    for j in range(t.shape[0]):
-        torch.add(out[j], t[j], out=out[j + 1])
-    return out
-
-
-class _Scan:
-    """llama.cpp's running choice over candidates, per sub-block: a candidate wins when Σwq² > 0 and
-    (Σwqx)² > best·Σwq²; then scale = Σwqx/Σwq² and best = scale·Σwqx. The first of equals stays."""
-
-    def __init__(self, n: int) -> None:
-        self.best = torch.full((n,), -FLT_MAX)
-        self.scale = torch.zeros(n)
-        self.choice = torch.full((n,), -1, dtype=torch.int64)
-        self.offered = 0
-
-    def offer(self, qx: torch.Tensor, q2: torch.Tensor) -> None:
-        """Candidates [m, S] in llama.cpp's order; they get the next m candidate numbers."""
-        square, live = qx * qx, q2 > 0
-        ratio = safe_div(qx, q2)
-        score = ratio * qx
-        for r in range(qx.shape[0]):
-            ok = live[r] & (square[r] > self.best * q2[r])
-            self.best = torch.where(ok, score[r], self.best)
-            self.scale = torch.where(ok, ratio[r], self.scale)
-            self.choice = torch.where(ok, self.offered + r, self.choice)
-        self.offered += qx.shape[0]
-
-
-def _split_s(ws: torch.Tensor, wxs: torch.Tensor) -> tuple[_Scan, torch.Tensor]:
-    """IQ1_S: every split (i1 <= i2) of the sorted order, shift up then down. Returns the scan and
-    the table candidate -> (i1, i2, shift ±1)."""
-    n, count = ws.shape
-    sx, sw = _prefix(wxs), _prefix(ws)
-    scan, table = _Scan(count), []
-    for i1 in range(n + 1):
-        a, wa = sx[i1] - sx[0], sw[i1] - sw[0]
-        b, wb = sx[i1:] - sx[i1], sw[i1:] - sw[i1]  # [i2 = i1..n, S]
-        c, wc = sx[n] - sx[i1:], sw[n] - sw[i1:]
-        qx = [a * v[0] + b * v[1] + c * v[2] for v in (UP, DOWN)]
-        q2 = [wa * v[0] * v[0] + wb * v[1] * v[1] + wc * v[2] * v[2] for v in (UP, DOWN)]
-        scan.offer(torch.stack(qx, dim=1).reshape(-1, count), torch.stack(q2, dim=1).reshape(-1, count))
-        table += [(i1, i2, shift) for i2 in range(i1, n + 1) for shift in (1, -1)]
-    return scan, torch.tensor(table, dtype=torch.int64)
-
-
-def _split_m(ws: torch.Tensor, wxs: torch.Tensor, order: torch.Tensor) -> tuple[_Scan, torch.Tensor]:
-    """IQ1_M: every split of the sorted order with the four shift pairs k (0: +,+  1: +,-  2: -,+  3: -,-
-    for the two halves), from prefix sums kept per half. Returns the scan and candidate -> (i1, i2, k)."""
-    n, count = ws.shape
-    in_second = order >= n // 2  # sorted position j holds a value of the second half
-    px, pw = torch.zeros(2, n + 1, count), torch.zeros(2, n + 1, count)
-    for j in range(n):
-        for h, mine in ((0, ~in_second[j]), (1, in_second[j])):
-            px[h, j + 1] = torch.where(mine, px[h, j] + wxs[j], px[h, j])
-            pw[h, j + 1] = torch.where(mine, pw[h, j] + ws[j], pw[h, j])
-    tx, tw = px[:, n, None], pw[:, n, None]  # [2, 1, S]
-    p2, m2 = UP[2], DOWN[2]
-    cp1, cp2, cm1, cm2 = SQUARE_STEPS
-    scan, table = _Scan(count), []
-    for i1 in range(n + 1):
-        sx = px[:, i1, None] + px[:, i1:]  # [2, i2 = i1..n, S]
-        up_x, down_x = tx * p2 - sx, tx * m2 - sx
-        up_2 = tw * p2 * p2 + pw[:, i1, None] * cp1 + pw[:, i1:] * cp2
-        down_2 = tw * m2 * m2 + pw[:, i1, None] * cm1 + pw[:, i1:] * cm2
-        shifts = ((up_x, up_2), (down_x, down_2))  # k = 2·(first half's shift) + (second half's): up 0, down 1
-        qx = torch.stack([first[0] + second[1] for first, _ in shifts for second, _ in shifts], dim=1)
-        q2 = torch.stack([first[0] + second[1] for _, first in shifts for _, second in shifts], dim=1)
-        scan.offer(qx.reshape(-1, count), q2.reshape(-1, count))
-        table += [(i1, i2, k) for i2 in range(i1, n + 1) for k in range(4)]
-    return scan, torch.tensor(table, dtype=torch.int64)
 
 
 @dataclass(frozen=True)
@@ -169,19 +92,16 @@ class IQ1Grid(GroupSearchGrid):
     def _splits(self, ws: torch.Tensor, wxs: torch.Tensor,
                 order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """The best split of each sub-block's sorted order: (i1, i2, shift) [S, 3] (shift: IQ1_S ±1,
-        IQ1_M the pair k; (0, 0, first) where none won), whether one won, and its scale. On CPU one
-        compiled pass over tiles of sub-blocks; elsewhere the torch scan."""
-        if (kernels := compiled_for(ws)) is None:
-            scan, table = _split_m(ws, wxs, order) if self.per_half else _split_s(ws, wxs)
-            return table[scan.choice.clamp(min=0)], scan.choice >= 0, scan.scale
+        IQ1_M the pair k; (0, 0, first) where none won), whether one won, and its scale: one compiled
+        pass over tiles of sub-blocks."""
         n, count = ws.shape
         chosen, scale = torch.empty(count, 3, dtype=torch.int64), torch.empty(count)
         rows, rows_x, outs = f32_array(ws.t()), f32_array(wxs.t()), (chosen.numpy(), scale.numpy())
         if self.per_half:
             consts = np.array((UP[2], DOWN[2], *SQUARE_STEPS), np.float32)
-            kernels.iq1_m_splits(rows, rows_x, (order >= n // 2).t().contiguous().numpy(), consts, *outs)
+            kernels().iq1_m_splits(rows, rows_x, (order >= n // 2).t().contiguous().numpy(), consts, *outs)
         else:
-            kernels.iq1_s_splits(rows, rows_x, np.array((UP, DOWN), np.float32), *outs)
+            kernels().iq1_s_splits(rows, rows_x, np.array((UP, DOWN), np.float32), *outs)
         found = chosen[:, 2] >= 0
         k = chosen[:, 2].clamp(min=0)
         chosen[:, 2] = k if self.per_half else 1 - 2 * k  # IQ1_S: k 0 is the +1/8 shift, 1 the -1/8

@@ -19,22 +19,19 @@ every reader of QuantizedTensor works unchanged; the packer maps levels back to 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from llmopt.quant.grids.codebooks import IQ4_VALUES
-from llmopt.quant.grids.layout import QK_K, BlockGrid, BlockParams, importance_major, per_block, superblock_sum_x2, to_rows
-from llmopt.quant.grids.legacy import _inverse  # C's `d ? 1/d : 0`
-from llmopt.quant.grids.numerics import GROUP_MAX_EPS, blocks_major, c_sqrt, first_absmax, nearest_int, rdiv, safe_div, seq_sum
-from llmopt.quant.grids.searches import compiled_for
+from llmopt.quant.grids.layout import QK_K, BlockGrid, BlockParams, importance_major, per_block, superblock_sum_x2
+from llmopt.quant.grids.numerics import GROUP_MAX_EPS, blocks_major, c_sqrt, first_absmax, inverse_or_zero, nearest_int, seq_sum
+from llmopt.quant.grids.searches import f32_array, kernels
 from llmopt.quantized_tensor import QuantizedTensor
 
 SUB = 32  # elements per scale
 NTRY = 7  # trials t = -NTRY..NTRY around the plain inverse scale, as llama.cpp's quantize_iq4_nl/xs
 CODE_OFFSET = 128  # codes are level + 128
-SLICE_ELEMENTS = 1 << 18  # the trials of this many (element, trial) pairs are measured at once
 
 
 def best_index(values: np.ndarray, a: np.float32) -> int:
@@ -72,64 +69,16 @@ class Levels:
         index_of_code[self.codes.long()] = torch.arange(len(values), dtype=torch.uint8)
         self.index_of_code = index_of_code
 
-    def nearest_values(self, a: np.ndarray) -> np.ndarray:
-        """The level nearest to each float32 `a` (overwrites `a`)."""
-        cell = np.floor(np.multiply(a, 2, out=a), out=a)
-        np.clip(cell, self.lowest, self.lowest + len(self.cell_value) - 1, out=cell)
-        cell -= self.lowest
-        return self.cell_value.take(cell.astype(np.intp))
-
-    def nearest_code(self, a: torch.Tensor) -> torch.Tensor:
-        """The QuantizedTensor code (level + 128) of the level nearest to each `a`."""
-        values = self.nearest_values(a.detach().to(torch.float32).numpy().copy())
-        return torch.from_numpy(values).add_(CODE_OFFSET)
+    def nearest_codes(self, x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+        """The code (level + 128) of the level nearest to every x[b, i]·inv_scale[b], x [B, n] on any
+        device: uint8 [B, n] there (compiled.table_codes on the CPU)."""
+        codes = torch.empty(x.shape, dtype=torch.uint8)
+        kernels().table_codes(f32_array(x.cpu()), f32_array(inv_scale.cpu()), self.cell_value, self.lowest, CODE_OFFSET,
+                              codes.numpy())  # fmt: skip
+        return codes.to(x.device)
 
 
 IQ4_LEVELS = Levels(IQ4_VALUES)
-
-
-def sub_block_scales(x: torch.Tensor, weights: torch.Tensor, levels: Levels = IQ4_LEVELS, ntry: int = NTRY) -> torch.Tensor:
-    """The least-squares scale of every sub-block of x [n, B] (element-major), chosen as llama.cpp does:
-    the plain inverse scale -v[0]/max, then (t + v[0])/max for t = -ntry..ntry, a trial winning when
-    its Σwqx² / Σwq² beats the best so far. The trials do not depend on each other, so their sums are
-    measured as one batch [n, trials, blocks] (on slices of blocks); only the choice is sequential."""
-    n, blocks = x.shape
-    v0 = float(levels.values[0])
-    mx = first_absmax(x)
-    zero = x.abs().amax(dim=0) < GROUP_MAX_EPS
-    mx_safe = torch.where(zero, torch.ones_like(mx), mx)
-    d0 = torch.neg(mx_safe).div_(torch.full_like(mx_safe, v0))  # C: -max/values[0]
-    iscales = torch.stack([rdiv(1.0, d0)] + [rdiv(float(t) + v0, mx_safe) for t in range(-ntry, ntry + 1)])
-    trials = iscales.shape[0]
-    xs, ws, ids = x.numpy(), weights.numpy(), iscales.numpy()
-    sums = np.empty((2, trials, blocks), dtype=np.float32)  # Σ w·q·x and Σ w·q·q per trial and block
-    step = max(1, SLICE_ELEMENTS // (trials * n))
-    for s in range(0, blocks, step):
-        sl = slice(s, s + step)
-        q = levels.nearest_values(np.multiply(xs[:, None, sl], ids[None, :, sl]))  # [n, T, b]
-        wq = np.multiply(ws[:, None, sl], q)
-        sums[0, :, sl] = _seq_sum(np.multiply(wq, xs[:, None, sl]))
-        sums[1, :, sl] = _seq_sum(np.multiply(wq, q, out=wq))
-    sums = torch.from_numpy(sums)
-    sums.add_(0.0)  # C's accumulators start at +0: an all -0 sum is +0
-    sumqx, sumq2 = sums[0], sums[1]
-    valid = sumq2 > 0
-    ds = safe_div(sumqx, sumq2)
-    d = torch.where(valid[0], ds[0], torch.zeros_like(mx))
-    best = d * sumqx[0]
-    for t in range(1, trials):
-        better = valid[t] & (sumqx[t] * sumqx[t] > best * sumq2[t])
-        d = torch.where(better, ds[t], d)
-        best = torch.where(better, d * sumqx[t], best)
-    return torch.where(zero, torch.zeros_like(d), d)
-
-
-def _seq_sum(p: np.ndarray) -> np.ndarray:
-    """Sum over axis 0 in index order with a float32 accumulator, as C's loop (cf. numerics.seq_sum)."""
-    acc = p[0].copy()
-    for row in p[1:]:
-        acc += row
-    return acc
 
 
 @dataclass(frozen=True)
@@ -144,44 +93,39 @@ class IQ4Grid(BlockGrid):
 
     def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         rows = w.shape[0]
-        kernels = compiled_for(w)
-        x = blocks_major(w, SUB) if kernels is None or importance is not None else None  # [32, sub-blocks]
-        if importance is None:
-            weights = None
-        else:
-            n_sub = self.block // SUB
-            sum_x2 = seq_sum(x * x) if n_sub == 1 else superblock_sum_x2(w)
-            sigma2 = per_block(sum_x2 * (2.0 / self.block), n_sub)
-            weights = importance_major(importance, rows, SUB) * c_sqrt(sigma2 + x * x)
-        if kernels is None:
-            scales = sub_block_scales(x, x * x if weights is None else weights, self.levels)
-        else:  # blocks by rows (a view of w): one compiled pass
-            scales = torch.empty(w.numel() // SUB)
-            xr = w.reshape(-1, SUB).numpy()
-            wr = xr if weights is None else weights.t().contiguous().numpy()
-            kernels.iq4_scales(xr, wr, kernels.SQUARES if weights is None else kernels.GIVEN, self.levels.cell_value,
-                               self.levels.lowest, np.float32(self.levels.values[0]), NTRY, np.float32(GROUP_MAX_EPS),
-                               scales.numpy())  # fmt: skip
+        scales = self._sub_block_scales(w, importance)
         if self.block == SUB:
-            return {"codes": self._codes(w, x, _inverse(scales), kernels), "d": scales.to(torch.float16).reshape(rows, -1)}
+            return {"codes": self._codes(w, inverse_or_zero(scales)), "d": scales.to(torch.float16).reshape(rows, -1)}
         n_sub = self.block // SUB
         max_scale = first_absmax(scales.reshape(-1, n_sub).t())
         d = torch.neg(max_scale).div_(32.0)  # an all-zero super-block stores d = -0
-        ls = nearest_int(per_block(_inverse(d), n_sub) * scales).clamp_(-32, 31)
+        ls = nearest_int(per_block(inverse_or_zero(d), n_sub) * scales).clamp_(-32, 31)
         return {
-            "codes": self._codes(w, x, _inverse(per_block(d, n_sub) * ls), kernels),
+            "codes": self._codes(w, inverse_or_zero(per_block(d, n_sub) * ls)),
             "d": d.to(torch.float16).reshape(rows, -1),
             "sc": (ls + 32).to(torch.uint8).reshape(rows, -1),
         }
 
-    def _codes(self, w: torch.Tensor, x: torch.Tensor | None, inv_scale: torch.Tensor, kernels: Any) -> torch.Tensor:
+    def _sub_block_scales(self, w: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
+        """Every 32-sub-block's least-squares scale, by rows (compiled.iq4_scales): weights x², or
+        imatrix·sqrt(σ² + x²) with σ² = 2·Σx²/n over the (super-)block."""
+        xr, k = w.reshape(-1, SUB), kernels()
+        weights = None
+        if importance is not None:
+            x, n_sub = blocks_major(w, SUB), self.block // SUB
+            sum_x2 = seq_sum(x * x) if n_sub == 1 else superblock_sum_x2(w)
+            sigma2 = per_block(sum_x2 * (2.0 / self.block), n_sub)
+            weights = (importance_major(importance, w.shape[0], SUB) * c_sqrt(sigma2 + x * x)).t()
+        scales = torch.empty(xr.shape[0])
+        mode = k.SQUARES if weights is None else k.GIVEN
+        k.iq4_scales(f32_array(xr), f32_array(xr if weights is None else weights), mode, self.levels.cell_value,
+                     self.levels.lowest, np.float32(self.levels.values[0]), NTRY, np.float32(GROUP_MAX_EPS),
+                     scales.numpy())  # fmt: skip
+        return scales
+
+    def _codes(self, w: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
         """Every value's code (nearest level + 128) at its sub-block's inverse scale, [rows, cols] uint8."""
-        if kernels is None:
-            return to_rows(self.levels.nearest_code(x * inv_scale), w.shape[0]).to(torch.uint8)
-        codes = torch.empty(w.shape, dtype=torch.uint8)
-        kernels.table_codes(w.reshape(-1, SUB).numpy(), inv_scale.numpy(), self.levels.cell_value, self.levels.lowest,
-                            CODE_OFFSET, codes.view(-1, SUB).numpy())  # fmt: skip
-        return codes
+        return self.levels.nearest_codes(w.reshape(-1, SUB), inv_scale).reshape(w.shape)
 
     def assemble(self, out: dict[str, torch.Tensor]) -> QuantizedTensor:
         d = out["d"].to(torch.float32)
@@ -194,8 +138,7 @@ class IQ4Grid(BlockGrid):
 
     # error feedback: columns go to the nearest table level with the block's scales fixed
     def round(self, x: torch.Tensor, p: BlockParams, j: int) -> torch.Tensor:
-        a = p.scale[:, j // p.sub]
-        return self.levels.nearest_code(x * _inverse(a))
+        return self.levels.nearest_codes(x[:, None], inverse_or_zero(p.scale[:, j // p.sub]))[:, 0].to(torch.float32)
 
     def value(self, q: torch.Tensor, p: BlockParams, j: int) -> torch.Tensor:
         return p.scale[:, j // p.sub] * (q - CODE_OFFSET)

@@ -15,8 +15,8 @@ refitted. IQ2's trials centre on make_qp_quants' scale. The super-block's d = ma
 stores it ×1.0125) and l rounds each scale to d·(2l + 1)/2. Weights are x² or imatrix·sqrt(σ² + x²),
 σ² = Σx²/256 (IQ3: twice that); IQ2_XXS needs the imatrix, as in llama.cpp.
 
-All of it runs vectorized over the sub-blocks of a chunk of rows, in llama.cpp's float32 operation
-order. Codes in the QuantizedTensor are the read-back values ±grid + 128 (`bits` 8, symmetric) and
+The trials and the re-rounding are one compiled pass over tiles of sub-blocks (`compiled.lattice_search`),
+the rest torch ops over the sub-blocks of a chunk of rows, all in llama.cpp's float32 operation order. Codes in the QuantizedTensor are the read-back values ±grid + 128 (`bits` 8, symmetric) and
 scales d·(0.5 + l)·0.5 (0.25), so (code - 128)·scale is exactly gguf's dequantization; the packer
 finds each group's point and sign bits from the codes.
 """
@@ -24,7 +24,6 @@ finds each group's point and sign bits from the codes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -42,8 +41,8 @@ from llmopt.quant.grids.codebooks import (
 )
 from llmopt.quant.grids.lattice import Lattice
 from llmopt.quant.grids.layout import QK_K, BlockGrid, BlockParams, importance_major, per_block, superblock_sum_x2, to_rows
-from llmopt.quant.grids.numerics import blocks_major, c_float, c_sqrt, c_step, nearest_int_exact, positive_max, rdiv, safe_div, seq_sum
-from llmopt.quant.grids.searches import compiled_for, make_qp_quants
+from llmopt.quant.grids.numerics import blocks_major, c_float, c_sqrt, c_step, nearest_int_exact, positive_max, rdiv
+from llmopt.quant.grids.searches import kernels, make_qp_quants
 from llmopt.quantized_tensor import QuantizedTensor
 
 SIGN_GROUP = 8  # signs are stored 7 per 8 values
@@ -125,7 +124,7 @@ class GroupSearchGrid(BlockGrid):
         return super().quantize(weight, importance)
 
     def choose(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> BlockParams:
-        fields = self.chunk(w.to(torch.float32).contiguous(), importance)
+        fields = self.search_fields(w, importance)
         qt = self.assemble(fields)
         kept = {k: v for k, v in fields.items() if k != "codes"} | {"chosen": fields["codes"]}
         return BlockParams(kept, qt.scales, -float(CODE_OFFSET) * qt.scales, qt.group_size)
@@ -195,80 +194,23 @@ class LatticeGrid(GroupSearchGrid):
             active &= base > 0
             scale = qp_scale
         base = torch.where(active, base, torch.ones_like(base))
-        if (kernels := compiled_for(xval)) is not None:
-            scale, L = self._compiled_search(kernels, xval, weight, waux, base, scale, active, top)
-        else:
-            scale, L = self._torch_search(xval, weight, waux, base, scale, active, top)
+        scale, L = self._search(xval, weight, waux, base, scale, active, top)
         flipped = scale < 0  # "should never happen" in llama.cpp: positive scale, every sign flipped
         scale = torch.where(flipped, -scale, scale)
         signs = torch.where(flipped, ~signs & (127 if self.parity else 255), signs)
         return torch.where(active, scale, torch.zeros_like(scale)), L, active, signs
 
-    def _compiled_search(self, kernels: Any, xval: torch.Tensor, weight: torch.Tensor, waux: torch.Tensor,
-                         base: torch.Tensor, scale: torch.Tensor, active: torch.Tensor,
-                         top: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def _search(self, xval: torch.Tensor, weight: torch.Tensor, waux: torch.Tensor, base: torch.Tensor,
+                scale: torch.Tensor, active: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """The trials and the re-rounding in one compiled pass over the sub-blocks (compiled.lattice_search)."""
         lat = self.lattice
         numerators = np.array([c_step(top, self.trial_step, k) for k in range(-self.trials, self.trials + 1)], np.float32)
         scale_out, levels = torch.empty(xval.shape[1]), torch.empty(xval.shape[1], xval.shape[0])
         rows = [t.t().contiguous().numpy() for t in (xval, weight, waux)]
-        kernels.lattice_search(*rows, base.contiguous().numpy(), scale.contiguous().numpy(), active.numpy(), numerators,
-                               ("off", "all", "all_if_off").index(self.requant), self.nmax, lat.dims, lat.bits,
-                               *lat.compact_map, lat.coords, scale_out.numpy(), levels.numpy())  # fmt: skip
+        kernels().lattice_search(*rows, base.contiguous().numpy(), scale.contiguous().numpy(), active.numpy(),
+                                 numerators, ("off", "all", "all_if_off").index(self.requant), self.nmax, lat.dims,
+                                 lat.bits, *lat.compact_map, lat.coords, scale_out.numpy(), levels.numpy())  # fmt: skip
         return scale_out, levels.t()
-
-    def _torch_search(self, xval: torch.Tensor, weight: torch.Tensor, waux: torch.Tensor, base: torch.Tensor,
-                      scale: torch.Tensor, active: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        groups = self.sub // self.lattice.dims
-        L = torch.zeros_like(xval)
-        on_grid = torch.full((groups, xval.shape[1]), self.requant != "all_if_off")
-        best = torch.zeros_like(scale)
-        for step in range(-self.trials, self.trials + 1):
-            inv = rdiv(c_step(top, self.trial_step, step), base)
-            levels, off = self._round(xval, waux, inv, rdiv(1.0, inv), None)
-            sumqx, sumq2 = self._sums(weight, xval, levels)
-            better = active & (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
-            scale = torch.where(better, safe_div(sumqx, sumq2), scale)
-            best = torch.where(better, scale * sumqx, best)
-            L = torch.where(better, levels, L)
-            on_grid = torch.where(better, ~off, on_grid)
-        redo = active & (scale > 0)
-        if self.requant != "all":
-            redo &= (~on_grid).any(dim=0)
-        regroup = ~on_grid & redo if self.requant == "off" else redo.expand(groups, -1)
-        if bool(redo.any()):
-            safe_scale = torch.where(redo, scale, torch.ones_like(scale))
-            levels, _ = self._round(xval, waux, rdiv(1.0, safe_scale), safe_scale, regroup)
-            L = torch.where(regroup.repeat_interleave(self.lattice.dims, dim=0), levels, L)
-            sumqx, sumq2 = self._sums(weight, xval, L)
-            scale = torch.where(redo & (sumq2 > 0), safe_div(sumqx, sumq2), scale)
-        return scale, L
-
-    def _round(self, xval: torch.Tensor, waux: torch.Tensor, inv: torch.Tensor, scale: torch.Tensor,
-               only: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Every group's lattice point at inverse scale `inv` (neighbours judged at `scale`): the levels
-        [32, S] and which groups were off the lattice [groups, S]. `only`: search just these groups."""
-        lat = self.lattice
-        levels = nearest_int_exact((inv * xval - 1.0) * 0.5).clamp_(0, self.nmax - 1)  # inv = inf for tiny scales
-        grouped = levels.reshape(-1, lat.dims, levels.shape[1]).permute(0, 2, 1)  # [groups, S, dims]
-        keys = lat.key(grouped)
-        index = lat.index_of_key[keys]
-        off = index < 0
-        search = off if only is None else off & only
-        if bool(search.any()):
-            g, s = search.nonzero(as_tuple=True)
-            xg = xval.reshape(-1, lat.dims, xval.shape[1])
-            wg = waux.reshape(-1, lat.dims, waux.shape[1])
-            index[g, s] = lat.best_neighbour(keys[g, s], xg[g, :, s], wg[g, :, s], scale.expand_as(xval[0])[s])
-        index = index.clamp(min=0)
-        coords = torch.from_numpy(lat.coords)[index].to(torch.float32)  # [groups, S, dims]
-        return coords.permute(0, 2, 1).reshape(xval.shape), off
-
-    @staticmethod
-    def _sums(weight: torch.Tensor, xval: torch.Tensor, levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q = levels * 2.0 + 1.0
-        wq = weight * q
-        return seq_sum(weight * xval * q).add_(0.0), seq_sum(wq * q).add_(0.0)  # C's sums start at +0
 
     def _fields(self, scale: torch.Tensor, L: torch.Tensor, active: torch.Tensor, signs: torch.Tensor,
                 rows: int) -> dict[str, torch.Tensor]:  # fmt: skip

@@ -16,9 +16,8 @@ import functools
 import numpy as np
 import torch
 
-from llmopt.quant.grids.searches import compiled_for, f32_array
+from llmopt.quant.grids.searches import f32_array, kernels
 
-NEIGHBOUR_WIDTHS = (8, 16, 32, 64)  # candidate-list widths the search pads to (then the widest)
 KEYS_AT_ONCE = 512  # keys whose distances to every point are held at once while building the lists (IQ1: 2048 points)
 
 
@@ -37,11 +36,6 @@ class Lattice:
         keys = np.asarray(self.kgrid, dtype=np.int64)
         shifts = self.bits * np.arange(self.dims)
         return ((keys[:, None] >> shifts) & ((1 << self.bits) - 1)).astype(np.int64)
-
-    @functools.cached_property
-    def points(self) -> torch.Tensor:
-        """The search's values 2l + 1 of every point, float32 [points, dims]."""
-        return torch.from_numpy(2 * self.coords + 1).to(torch.float32)
 
     @functools.cached_property
     def keys(self) -> np.ndarray:
@@ -123,31 +117,6 @@ class Lattice:
         weights = torch.tensor([1 << (self.bits * i) for i in range(self.dims)], dtype=torch.int64)
         return (levels.to(torch.int64) * weights).sum(dim=-1)
 
-    @functools.cached_property
-    def reachable(self) -> torch.Tensor:
-        """The keys a search can form (levels below `nlevels`): the rows of the bucket tables."""
-        return torch.from_numpy(np.flatnonzero((self.keys < self.nlevels).all(axis=1)))
-
-    @functools.cached_property
-    def row_of_key(self) -> torch.Tensor:
-        rows = torch.full((len(self.keys),), -1, dtype=torch.int64)
-        rows[self.reachable] = torch.arange(len(self.reachable))
-        return rows
-
-    @functools.cached_property
-    def _buckets(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per candidate-count bucket (lower, upper]: for every reachable key, its candidates' point
-        indices, their 2l + 1 values and their levels l laid out [keys, dims, upper], and a mask of the padding."""
-        out, lower = [], 0
-        for upper in (*NEIGHBOUR_WIDTHS, self.neighbours.shape[1]):
-            cand = self.neighbours[self.reachable, :upper].to(torch.int64)
-            valid = cand >= 0
-            values = self.points[cand.clamp(min=0)].permute(0, 2, 1).contiguous()  # [keys, dims, upper]
-            levels = torch.from_numpy(self.coords.astype(np.uint8))[cand.clamp(min=0)].permute(0, 2, 1).contiguous()
-            out.append((lower, upper, cand, values, levels, valid))
-            lower = upper
-        return out
-
     def best_neighbour(self, keys: torch.Tensor, xval: torch.Tensor, waux: torch.Tensor, scale: torch.Tensor,
                        level_values: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """llama.cpp's iq2/iq3_find_best_neighbour (iq1_find_best_neighbour2) for off-grid groups: among
@@ -155,26 +124,7 @@ class Lattice:
         coordinate order in float32. keys [n], xval/waux [n, dims], scale [n] -> point index [n].
         q is level l's 2l + 1, or `level_values[group, l]` when given ([n, levels]: IQ1's shifted levels)."""
         best = torch.empty(keys.shape, dtype=torch.int64)
-        if (kernels := compiled_for(xval)) is not None:
-            values = level_values if level_values is not None else 2 * torch.arange(self.nlevels)[None] + 1
-            kernels.neighbour_points(keys.numpy(), f32_array(xval), f32_array(waux), f32_array(scale),
-                                     f32_array(values), *self.compact_map, self.coords, best.numpy())  # fmt: skip
-            return best
-        counts = self.neighbour_counts[keys]
-        for lower, upper, cand, values, levels, valid in self._buckets:  # few candidates for most keys: pad per bucket
-            sel = ((counts > lower) & (counts <= upper)).nonzero()[:, 0]
-            if len(sel):
-                k = self.row_of_key[keys[sel]]
-                if level_values is None:
-                    q = values[k]  # [m, dims, upper]
-                else:
-                    lk = levels[k].long()
-                    q = level_values[sel].gather(1, lk.reshape(len(sel), -1)).reshape(lk.shape)
-                x, w, s = xval[sel], waux[sel], scale[sel][:, None]
-                d2 = torch.zeros(q.shape[0], q.shape[2])
-                for i in range(self.dims):
-                    diff = q[:, i].mul_(s).sub_(x[:, i, None])
-                    d2.add_(diff.mul(w[:, i, None]).mul_(diff))
-                d2.masked_fill_(~valid[k], torch.inf)
-                best[sel] = cand[k].gather(1, d2.argmin(dim=1, keepdim=True))[:, 0]
+        values = level_values if level_values is not None else 2 * torch.arange(self.nlevels)[None] + 1
+        kernels().neighbour_points(keys.numpy(), f32_array(xval), f32_array(waux), f32_array(scale), f32_array(values),
+                                   *self.compact_map, self.coords, best.numpy())  # fmt: skip
         return best

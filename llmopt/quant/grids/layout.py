@@ -27,6 +27,11 @@ def check_rows(w: torch.Tensor, block: int, type_name: str) -> torch.Tensor:
     return w.detach().to(torch.float32).contiguous()
 
 
+def on_cpu(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The searches' input on the CPU (their one definition is compiled CPU code; see searches.py)."""
+    return None if t is None else t.cpu()
+
+
 def importance_major(importance: torch.Tensor, rows: int, n: int) -> torch.Tensor:
     """Per-column importance [cols] laid out like `blocks_major(w, n)`: [n, rows*cols/n]."""
     per_row = importance.to(torch.float32).reshape(-1, n).t()  # [n, cols/n]
@@ -118,6 +123,8 @@ class BlockGrid:
 
     Round to nearest (`quantize`) runs the type's reference search over whole rows in chunks:
     `chunk` quantizes rows into raw fields, `assemble` turns the fields into one QuantizedTensor.
+    The searches run on the CPU (one compiled definition each, `searches.py`): a weight on another
+    device goes there for the search and its result comes back to the weight's device.
     Error feedback (GPTQ) uses the same search one block at a time (`choose`, on the weights as
     they stand when the block starts), then rounds column by column against those fixed parameters
     (`round`, `value`) and collects the blocks (`assemble_spans`).
@@ -129,7 +136,8 @@ class BlockGrid:
 
     def quantize(self, weight: torch.Tensor, importance: torch.Tensor | None = None) -> QuantizedTensor:
         w = check_rows(weight, self.block, self.name)
-        return self.assemble(in_row_chunks(w, self.chunk, importance))
+        fields = in_row_chunks(w.cpu(), self.chunk, on_cpu(importance))
+        return self.assemble(fields).to(weight.device)
 
     def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -146,10 +154,15 @@ class BlockGrid:
 
     def choose(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> BlockParams:
         """The reference search's parameters for one block of columns, `w` [rows, block]."""
-        fields = self.chunk(w.to(torch.float32).contiguous(), importance)
+        fields = self.search_fields(w, importance)
         qt = self.assemble(fields)
         offset = -qt.mins if qt.mins is not None else -float(1 << (self.bits - 1)) * qt.scales
         return BlockParams({k: v for k, v in fields.items() if k != "codes"}, qt.scales, offset, qt.group_size)
+
+    def search_fields(self, w: torch.Tensor, importance: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """`chunk` of one block of columns run on the CPU, where the searches run, its fields back on w's device."""
+        fields = self.chunk(w.detach().to("cpu", torch.float32).contiguous(), on_cpu(importance))
+        return {k: v.to(w.device) for k, v in fields.items()}
 
     def round(self, x: torch.Tensor, p: BlockParams, j: int) -> torch.Tensor:
         """Codes of column `j` of the block, x [rows], with fixed parameters (nearest level)."""

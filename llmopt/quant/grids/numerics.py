@@ -2,9 +2,10 @@
 
 ggml's reference quantizers run plain float32 C (no FMA, no reassociation): every product and
 quotient is rounded to float32, every accumulator adds its terms in index order, `nearest_int` rounds
-half to even (the 1.5·2^23 trick) and fp16 conversion rounds to nearest even. Our searches work on
-tensors laid out element-major, `[n, blocks]`, so that a C loop over the n elements of a block becomes
-n vectorized steps over all blocks at once.
+half to even (the 1.5·2^23 trick) and fp16 conversion rounds to nearest even. The searches themselves
+are compiled (`compiled.py`); these are the torch steps the grids take around them, on tensors laid
+out element-major, `[n, blocks]`, so that a C loop over the n elements of a block becomes n
+vectorized steps over all blocks at once.
 """
 
 from __future__ import annotations
@@ -38,19 +39,6 @@ def nearest_int_exact(v: torch.Tensor) -> torch.Tensor:
     return ((bits & 0x007FFFFF) - 0x00400000).to(torch.float32)
 
 
-def rounding_inverse(iscale: torch.Tensor) -> torch.Tensor:
-    """An inverse scale to round `(x - min)·iscale` with, clamped at level 0 after: 0 where it overflowed
-    (a block of float32 denormals). ggml's nearest_int turns the ±inf and NaN products into -2^22 and 0,
-    both level 0 after the clamp, as an inverse scale of 0 gives."""
-    return torch.where(iscale.abs() <= torch.finfo(torch.float32).max, iscale, 0.0)
-
-
-def c_low_byte(v: torch.Tensor) -> torch.Tensor:
-    """What a C `(int8_t)` or `(uint8_t)` cast of v keeps on x86, where v may be ±inf or NaN (a block of
-    float32 denormals: 1/d overflows): the conversion gives INT_MIN, whose low byte is 0."""
-    return torch.where(v.isfinite(), v, 0.0)
-
-
 def seq_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum over dim 0 in index order with a float32 accumulator, as a C `for` loop does (one in-place
     add per element over all blocks: for `t` contiguous each row it adds is contiguous too)."""
@@ -80,29 +68,6 @@ def first_absmax(x: torch.Tensor) -> torch.Tensor:
     return torch.where(value != 0, value, torch.zeros_like(value))
 
 
-def _first_equal(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """The first element of each block equal to `value`: its sign is the one a C loop keeps for ±0.
-    (Equal nonzero floats are the same float, so only blocks whose value is zero are searched.)"""
-    zero = value == 0
-    if not bool(zero.any()):
-        return value
-    idx = zero.nonzero()[:, 0]
-    sub = x[:, idx]
-    value = value.clone()
-    value[idx] = sub.gather(0, (sub == 0).to(torch.uint8).argmax(dim=0, keepdim=True))[0]
-    return value
-
-
-def c_min(x: torch.Tensor) -> torch.Tensor:
-    """min over dim 0 as `if (x[i] < min) min = x[i]` leaves it (first of equal values: -0 vs +0)."""
-    return _first_equal(x, x.amin(dim=0))
-
-
-def c_max(x: torch.Tensor) -> torch.Tensor:
-    """max over dim 0 as `if (x[i] > max) max = x[i]` leaves it."""
-    return _first_equal(x, x.amax(dim=0))
-
-
 def positive_max(v: torch.Tensor, dim: int) -> torch.Tensor:
     """C's `m = 0; if (v > m) m = v`: the largest value, or +0 when none is positive."""
     m = v.amax(dim=dim)
@@ -119,6 +84,18 @@ def rdiv(num: float, den: torch.Tensor) -> torch.Tensor:
     """C's float `num / den` for a constant numerator. (`num / tensor` in torch multiplies by the
     reciprocal, rounding twice; dividing a 0-d tensor rounds once, as C does.)"""
     return torch.tensor(num, dtype=torch.float32) / den
+
+
+def inverse_or_zero(d: torch.Tensor) -> torch.Tensor:
+    """C's `d ? 1.0f/d : 0.0f` (one rounding, as `rdiv`)."""
+    return torch.where(d == 0, torch.zeros_like(d), rdiv(1.0, torch.where(d == 0, torch.ones_like(d), d)))
+
+
+def roundf(v: torch.Tensor) -> torch.Tensor:
+    """C's roundf (half away from zero), computed exactly as gguf's np_roundf does."""
+    a = v.abs()
+    floored = torch.floor(a)
+    return floored.add_(torch.floor(a.sub_(floored).mul_(2))).copysign_(v)
 
 
 def safe_div(num: torch.Tensor | float, den: torch.Tensor) -> torch.Tensor:

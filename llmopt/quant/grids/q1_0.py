@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from llmopt.quant.grids.layout import BlockGrid, BlockParams
-from llmopt.quant.grids.legacy import _inverse, _round_away  # C's `d ? 1/d : 0` and roundf
-from llmopt.quant.grids.numerics import blocks_major, seq_sum
+from llmopt.quant.grids.numerics import blocks_major, inverse_or_zero, roundf, seq_sum
 from llmopt.quantized_tensor import QuantizedTensor
 
 
@@ -52,8 +51,8 @@ class Q2Grid(BlockGrid):
         rows = w.shape[0]
         x = w.reshape(-1, self.block)
         d = x.abs().amax(dim=1)
-        v = x * _inverse(d)[:, None]  # ±inf/NaN where 1/d overflows (denormal blocks): C's (int) of those is
-        q = torch.where(v.isfinite(), _round_away(v) + 1.0, 0.0).clamp_(0, 3)  # INT_MIN, clamped to q = 0
+        v = x * inverse_or_zero(d)[:, None]  # ±inf/NaN where 1/d overflows (denormal blocks): C's (int) of those is
+        q = torch.where(v.isfinite(), roundf(v) + 1.0, 0.0).clamp_(0, 3)  # INT_MIN, clamped to q = 0
         return {"codes": q.reshape(rows, -1).to(torch.uint8), "d": d.to(torch.float16).reshape(rows, -1)}
 
     def assemble(self, out: dict[str, torch.Tensor]) -> QuantizedTensor:

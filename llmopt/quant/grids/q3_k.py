@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.quant.grids.layout import QK_K, BlockGrid, importance_major, per_block, superblock_sum_x2, to_rows
+from llmopt.quant.grids.layout import QK_K, BlockGrid, importance_major, per_block, superblock_sum_x2
 from llmopt.quant.grids.numerics import blocks_major, c_sqrt, first_absmax, fp16, nearest_int, rdiv, seq_sum
-from llmopt.quant.grids.searches import make_q3_quants, make_qx_quants
+from llmopt.quant.grids.searches import make_q3_quants, make_qx_quants, requantize_rows
 from llmopt.quantized_tensor import QuantizedTensor
 
 SUB = 16
@@ -44,10 +44,8 @@ class Q3KGrid(BlockGrid):
             stored = stored.t().reshape(-1)
             d = fp16(d_block)
         dd = per_block(d, N_SUB) * (stored - 32)
-        requant = nearest_int(x / torch.where(dd == 0, torch.ones_like(dd), dd)).clamp_(-4, 3) + 4
-        L = torch.where(dd == 0, L, requant)
         return {
-            "codes": to_rows(L, rows).to(torch.uint8),
+            "codes": requantize_rows(x.t(), L.t(), dd, None, -4, 3, offset=4).reshape(rows, -1),
             "d": d.reshape(rows, -1).to(torch.float16),
             "sc": stored.reshape(rows, -1).to(torch.uint8),  # 6-bit, biased by 32
         }

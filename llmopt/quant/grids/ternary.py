@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from llmopt.quant.grids.layout import QK_K, BlockGrid, BlockParams
-from llmopt.quant.grids.legacy import _inverse, _round_away  # C's `d ? 1/d : 0` and lroundf
+from llmopt.quant.grids.numerics import inverse_or_zero, roundf
 from llmopt.quantized_tensor import QuantizedTensor
 
 ZERO_CODE = 2  # the code of t = 0
@@ -31,8 +31,8 @@ class TernaryGrid(BlockGrid):
         rows = w.shape[0]
         x = w.reshape(-1, self.block)
         d = x.abs().amax(dim=1)
-        v = x * _inverse(d)[:, None]  # ±inf/NaN where 1/d overflows (denormal blocks): C gets
-        t = torch.where(v.isfinite(), _round_away(v), 0.0)  # lroundf = LONG_MIN, whose `int xi = ... + 1` is 1: t = 0
+        v = x * inverse_or_zero(d)[:, None]  # ±inf/NaN where 1/d overflows (denormal blocks): C gets
+        t = torch.where(v.isfinite(), roundf(v), 0.0)  # lroundf = LONG_MIN, whose `int xi = ... + 1` is 1: t = 0
         return {"codes": t.add_(ZERO_CODE).reshape(rows, -1).to(torch.uint8),
                 "d": d.to(torch.float16).reshape(rows, -1)}  # fmt: skip
 
@@ -43,7 +43,7 @@ class TernaryGrid(BlockGrid):
     # error feedback: the nearest of -d, 0, d with the block's d fixed
     def round(self, x: torch.Tensor, p: BlockParams, j: int) -> torch.Tensor:
         a = p.scale[:, j // p.sub]
-        return torch.round(x * _inverse(a)).clamp_(-1, 1).add_(ZERO_CODE)
+        return torch.round(x * inverse_or_zero(a)).clamp_(-1, 1).add_(ZERO_CODE)
 
     def value(self, q: torch.Tensor, p: BlockParams, j: int) -> torch.Tensor:
         return p.scale[:, j // p.sub] * (q - ZERO_CODE)

@@ -9,7 +9,7 @@ import torch
 
 from llmopt.errors import InputError
 from llmopt.formats.gguf.blocks import pack
-from llmopt.quant.grids import GRIDS, quantize, searches
+from llmopt.quant.grids import GRIDS, quantize
 from tests.quant.grids.ggml_reference import ggml_dequantize, ggml_quantize
 
 NEW_TYPES = ["IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4", "IQ3_XXS", "IQ2_XXS",
@@ -97,24 +97,18 @@ def test_bytes_match_llama_cpp(type_name: str, imatrix: str) -> None:
     assert_same_bytes_as_llama_cpp(type_name, weights(), importance(imatrix))
 
 
-@pytest.mark.parametrize("path", ["compiled", "torch"])
 @pytest.mark.parametrize("imatrix", ["none", "random", "zeros"])
 @pytest.mark.parametrize("type_name", [t for t in TYPES if t not in SLOW_REFERENCE])
-def test_edge_values_match_llama_cpp(type_name: str, imatrix: str, path: str, monkeypatch) -> None:
-    """Both paths: the numba kernels (CPU) and the torch ops (CUDA tensors) on denormals and tiny values."""
-    import llmopt.quant.grids.compiled  # noqa: F401 - loaded, so the legacy types take their kernels too
-
-    monkeypatch.setattr(searches, "COMPILED", path == "compiled")
+def test_edge_values_match_llama_cpp(type_name: str, imatrix: str) -> None:
+    """Denormals and tiny values, through the compiled searches."""
     assert_same_bytes_as_llama_cpp(type_name, edge_weights(), importance(imatrix))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", ["compiled", "torch"])
 @pytest.mark.parametrize("type_name", sorted(SLOW_REFERENCE))
-def test_iq1_bytes_match_llama_cpp(type_name: str, path: str, monkeypatch) -> None:
-    """IQ1_S / IQ1_M on the awkward rows and on denormals, with a random, an all-zero and no imatrix,
-    on both paths (the numba split scan and neighbour search; the torch ones CUDA tensors take)."""
-    monkeypatch.setattr(searches, "COMPILED", path == "compiled")
+def test_iq1_bytes_match_llama_cpp(type_name: str) -> None:
+    """IQ1_S / IQ1_M on the awkward rows and on denormals, with a random, an all-zero and no imatrix
+    (the compiled split scan and neighbour search)."""
     for w in (weights(), edge_weights()):
         for imatrix in ("none", "random", "zeros"):
             assert_same_bytes_as_llama_cpp(type_name, w, importance(imatrix))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "llmopt"
-BASE_MODULES = {"errors", "device", "memory", "names", "quantized_tensor", "__init__"}  # llmopt/<name>.py: the base layer
+BASE_MODULES = {"errors", "device", "memory", "names", "options", "quantized_tensor", "__init__"}  # llmopt/<name>.py: the base layer
 
 
 def stated_layers() -> list[set[str]]:
@@ -28,20 +28,25 @@ def layer_of(module: str) -> str | None:
     return "base" if parts[1] in BASE_MODULES else parts[1]
 
 
-def imports(relative: Path, source: str) -> list[tuple[int, str]]:
-    """(line, module) of every llmopt import in a file (path relative to the repository), relative
-    imports resolved."""
+def import_statements(relative: Path, tree: ast.AST) -> list[tuple[ast.stmt, str, list[str]]]:
+    """(statement, module, names taken from it) of every llmopt import in a parsed file (path
+    relative to the repository), relative imports resolved; `import a.b` takes no names."""
     package = list(relative.with_suffix("").parts[:-1])
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, a.name) for a in node.names]
+            found += [(node, a.name, []) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
-            found.append((node.lineno, base))
-    return [(line, m) for line, m in found if m.startswith("llmopt")]
+            found.append((node, base, [a.name for a in node.names]))
+    return [(node, m, names) for node, m, names in found if m.startswith("llmopt")]
+
+
+def imports(relative: Path, source: str) -> list[tuple[int, str]]:
+    """(line, module) of every llmopt import in a file (path relative to the repository)."""
+    return [(node.lineno, m) for node, m, _ in import_statements(relative, ast.parse(source))]
 
 
 def violations(files: list[tuple[Path, str]], ranks: list[set[str]]) -> list[str]:

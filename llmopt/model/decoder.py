@@ -11,16 +11,18 @@ Parameter names match HF's without the leading "model.", so weights load straigh
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmopt.errors import InputError
-from llmopt.model.arch import ArchSpec
 from llmopt.model.rope import inv_freq, long_from
 from llmopt.model.source import ModelSource
+
+if TYPE_CHECKING:  # a type only: arch.py reads the families, which build these blocks
+    from llmopt.model.arch import ArchSpec
 
 
 @dataclass

@@ -10,12 +10,16 @@ so weights load by name and the quantization pipeline's hooks see each expert's 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from llmopt.model.arch import ArchSpec
 from llmopt.model.decoder import ACTIVATIONS, DecoderBlock, KVCache, Position
 from llmopt.model.families.base import Experts, expert_ffn, num_experts, shared_expert_ffn
+
+if TYPE_CHECKING:  # a type only: arch.py reads the families, which build these blocks
+    from llmopt.model.arch import ArchSpec
 
 
 class Expert(nn.Module):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmopt.errors import InputError
-from llmopt.model.families import Family
+from llmopt.model.families.base import Family
 
 # stored prefix -> the text model's own, longest first (transformers' "llava" renamings, reversed)
 TEXT_PREFIXES = (

@@ -14,11 +14,12 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from llmopt.errors import InputError
-from llmopt.model.arch import ArchSpec
 from llmopt.model.validate import integer, number
 
 if TYPE_CHECKING:
     import torch
+
+    from llmopt.model.arch import ArchSpec  # a type only: the families read this module, arch.py reads them
 
 KINDS = ("default", "linear", "llama3", "yarn", "longrope")
 ROPE_FREQS = "rope_freqs.weight"  # the GGUF-only tensor of llama3-scaled models

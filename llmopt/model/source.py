@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmopt.memory import release_mapped_files
-from llmopt.model.arch import ArchSpec
 from llmopt.model.tokenizer import TokenizerInfo
 
 if TYPE_CHECKING:
     import torch
+
+    from llmopt.model.arch import ArchSpec  # a type only: the decoder reads this module and arch.py, through the families, the decoder
 
 
 def torch_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:

@@ -148,7 +148,7 @@ def _no_keys(arch: ArchSpec) -> dict[str, Any]:
 
 
 def _default_block(arch: ArchSpec, layer: int) -> nn.Module:
-    from llmopt.model.decoder import DecoderBlock
+    from llmopt.model.decoder import DecoderBlock  # here, not at the top: the decoder imports torch
 
     return DecoderBlock(arch, layer)
 

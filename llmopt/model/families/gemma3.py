@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmopt.errors import InputError
 from llmopt.model.families.base import Family, Stage
+from llmopt.model.validate import integer, number
 
 if TYPE_CHECKING:
     from torch import nn
@@ -102,8 +103,6 @@ def _adapt_hf(arch: ArchSpec, cfg: dict[str, Any]) -> ArchSpec:
 
 def _adapt_gguf(arch: ArchSpec, meta: dict[str, Any]) -> ArchSpec:
     """What llama.cpp assumes for "gemma3" (its hparams loader), and the keys it reads when present."""
-    from llmopt.model.validate import integer, number
-
     g = arch.family.gguf_arch
     window = meta.get(f"{g}.attention.sliding_window")
     if window is None:

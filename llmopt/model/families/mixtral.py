@@ -63,7 +63,7 @@ def _gguf_keys(arch: ArchSpec) -> dict[str, Any]:
 
 
 def _block(arch: ArchSpec, layer: int) -> nn.Module:
-    from llmopt.model.moe import MoEBlock
+    from llmopt.model.moe import MoEBlock  # here, not at the top: the block imports torch
 
     return MoEBlock(arch, layer)
 

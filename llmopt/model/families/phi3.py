@@ -12,6 +12,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from llmopt.model.families.base import Family, Fused
+from llmopt.model.rope import attention_factor, longrope_original_context, rope_kind
+from llmopt.model.validate import integer
 
 if TYPE_CHECKING:
     from torch import nn
@@ -34,8 +36,6 @@ def _config_keys(arch: ArchSpec) -> dict[str, Any]:
 def _gguf_keys(arch: ArchSpec) -> dict[str, Any]:
     """What llama.cpp's converter (Phi3MiniModel) writes for every Phi-3 beyond the shared keys: the
     sliding window (0 for none) and the original context (longrope writes it with its factors)."""
-    from llmopt.model.rope import longrope_original_context, rope_kind
-
     keys: dict[str, Any] = {"attention.sliding_window": int(arch.sliding_window or 0)}
     if rope_kind(arch) != "longrope":
         keys["rope.scaling.original_context_length"] = longrope_original_context(arch)
@@ -44,8 +44,6 @@ def _gguf_keys(arch: ArchSpec) -> dict[str, Any]:
 
 def _adapt_gguf(arch: ArchSpec, meta: dict[str, Any]) -> ArchSpec:
     """The sliding window back from the key `_gguf_keys` writes (0 or absent: none)."""
-    from llmopt.model.validate import integer
-
     window = meta.get(f"{arch.family.gguf_arch}.attention.sliding_window")
     if not window:
         return arch
@@ -54,8 +52,7 @@ def _adapt_gguf(arch: ArchSpec, meta: dict[str, Any]) -> ArchSpec:
 
 def _block(arch: ArchSpec, layer: int) -> nn.Module:
     """Llama's block; under longrope with an attention factor, one that scales cos/sin by it first."""
-    from llmopt.model.decoder import DecoderBlock
-    from llmopt.model.rope import attention_factor
+    from llmopt.model.decoder import DecoderBlock  # here, not at the top: the decoder imports torch
 
     factor = attention_factor(arch)
     if factor == 1.0:

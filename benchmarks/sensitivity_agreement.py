@@ -52,10 +52,11 @@ def main() -> None:
 
     from llmopt.api.convert import plan_gguf_file
     from llmopt.eval.perplexity import evaluate, token_windows
-    from llmopt.formats.gguf.automix import candidate_types, rounded
-    from llmopt.formats.sensitivity import cache_path, load
+    from llmopt.formats.gguf.types import candidate_types
     from llmopt.model import open_model
     from llmopt.model.decoder import Decoder
+    from llmopt.plan.gguf_automix import rounded
+    from llmopt.plan.sensitivity import cache_path, load
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)

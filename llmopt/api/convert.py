@@ -21,11 +21,11 @@ from llmopt.calibration.text import SELF
 from llmopt.device import resolve_calib_dtype, resolve_device
 from llmopt.errors import OptionError
 from llmopt.formats.atomic import check_output
-from llmopt.formats.gguf.automix import AutoMix, plan_automatic
+from llmopt.plan.gguf_automix import AutoMix, plan_automatic
 from llmopt.formats.gguf.writer import GGUFWriter, GgufPlan, PlannedTensor, Provenance, grids_for, plan_gguf, write_gguf
 from llmopt.formats.hf import output_bytes, parse_size, write_hf_dir
 from llmopt.formats.imatrix import read_imatrix
-from llmopt.formats.sensitivity import cache_path
+from llmopt.plan.sensitivity import cache_path
 from llmopt.model import ModelSource, open_model
 from llmopt.quant.grids import GRIDS
 from llmopt.quant.pipeline import BlockResult, quantized_modules

@@ -24,8 +24,8 @@ from llmopt.device import resolve_calib_dtype, resolve_device
 from llmopt.errors import OptionError
 from llmopt.formats.atomic import check_output
 from llmopt.formats.checkpoint import CheckpointWriter, check_spec, zero_min
-from llmopt.formats.gptq_automix import BitsMix, plan_bits
-from llmopt.formats.sensitivity import cache_path
+from llmopt.plan.gptq_automix import BitsMix, plan_bits
+from llmopt.plan.sensitivity import cache_path
 from llmopt.formats.hf import parse_size
 from llmopt.model import ModelSource, open_model
 from llmopt.quant.pipeline import BlockResult, LayerReport, QuantizeSpec, quantize_model

@@ -8,9 +8,8 @@ from pathlib import Path
 import gguf
 import pytest
 
-from llmopt.formats.gguf.automix import candidate_types
-from llmopt.formats.sensitivity import cache_path
-from llmopt.formats.gguf.types import aligned, tensor_nbytes
+from llmopt.formats.gguf.types import aligned, candidate_types, tensor_nbytes
+from llmopt.plan.sensitivity import cache_path
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The cost table of an automatic mix, and its cache file beside the output.
 
 A cost table holds, per tensor (or module), the options it may take and the KL divergence each is
-predicted to add (`llmopt.quant.sensitivity`), and the importance vectors measured on the way.
+predicted to add (`llmopt.plan.fisher`), and the importance vectors measured on the way.
 Measuring it is what takes time, so it is written next to the output
 (`<output>.sensitivity.safetensors`: one float64 cost vector and one importance vector per
 tensor, the option names and the key in the metadata) and reused while the key is the same: the
@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from llmopt.formats.atomic import atomic_output_file
 from llmopt.model.source import ModelSource
-from llmopt.quant.sensitivity import fisher_diagonal, predicted_kld
+from llmopt.plan.fisher import fisher_diagonal, predicted_kld
 
 Rounding = Callable[[str, torch.Tensor, "torch.Tensor | None"], torch.Tensor]  # (option, weight, importance) -> rounded
 

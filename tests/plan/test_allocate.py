@@ -9,7 +9,7 @@ import random
 import pytest
 
 from llmopt.errors import OptionError
-from llmopt.quant.allocate import Option, allocate, smallest
+from llmopt.plan.allocate import Option, allocate, smallest
 
 
 def _items(seed: int, n: int = 6) -> list[list[Option]]:

@@ -11,8 +11,8 @@ from safetensors import safe_open
 
 from llmopt.api.quantize import quantize
 from llmopt.errors import OptionError
-from llmopt.formats.gptq_automix import module_nbytes
-from llmopt.formats.sensitivity import cache_path
+from llmopt.plan.gptq_automix import module_nbytes
+from llmopt.plan.sensitivity import cache_path
 from llmopt.model import open_model
 from tests.factories import CORPUS
 

@@ -2,10 +2,10 @@
 
 Every quantizable tensor may take any type its rows divide into (`candidate_types`). Its cost under
 each type is the KL divergence its rounding adds, predicted from the Fisher diagonal
-(`llmopt.quant.sensitivity`) and the tensor as llama.cpp's search (importance-weighted) rounds it;
-`llmopt.quant.allocate` picks the types under the byte budget. The table of costs is what takes
+(`llmopt.plan.fisher`) and the tensor as llama.cpp's search (importance-weighted) rounds it;
+`llmopt.plan.allocate` picks the types under the byte budget. The table of costs is what takes
 time (a backward pass per sample, every tensor rounded to every type), so it is cached beside the
-output (`llmopt.formats.sensitivity`).
+output (`llmopt.plan.sensitivity`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from llmopt.errors import OptionError
 from llmopt.formats.gguf.mixes import CLASSIC_MIXES, DEFAULT_TYPE, allows_quantization, category, gguf_shapes, plan_shapes
 from llmopt.formats.gguf.types import CANDIDATES, aligned, candidate_types, is_quantized, tensor_nbytes
 from llmopt.formats.gguf.writer import GgufPlan, Provenance, plan_gguf, quantize_stored
-from llmopt.formats.sensitivity import Sensitivities, cache_key, load, measure, save
 from llmopt.model.source import ModelSource
-from llmopt.quant.allocate import Allocation, Option, allocate
+from llmopt.plan.allocate import Allocation, Option, allocate
+from llmopt.plan.sensitivity import Sensitivities, cache_key, load, measure, save
 
 ESTIMATOR = "fisher-diagonal/1"  # bump when the cost definition changes: old caches are then ignored
 

@@ -1,9 +1,9 @@
 """Automatic per-module bits for GPTQ checkpoints: the least predicted KL at a target bits/weight.
 
-The GGUF automatic mix (`formats/gguf/automix.py`) for the integer grid: each stage of linears
+The GGUF automatic mix (`plan/gguf_automix.py`) for the integer grid: each stage of linears
 that read one input (q/k/v, gate/up, o, down: the family's stage table) takes one (bits, group
 size) among `CANDIDATES`, so that the projections vLLM fuses into one kernel share it. A module's
-cost is the KL its rounding adds (Fisher-predicted, `llmopt.quant.sensitivity`, rounded to nearest
+cost is the KL its rounding adds (Fisher-predicted, `llmopt.plan.fisher`, rounded to nearest
 on that grid); bytes are what the checkpoint stores for it (qweight, qzeros, scales, g_idx).
 Bits per weight count those bytes over the quantized linears' weights. The choice is written as
 GPTQModel's `dynamic` overrides (`formats/gptq.py`), which GPTQModel and vLLM apply per module.
@@ -22,9 +22,9 @@ import torch
 from llmopt.calibration.samples import CalibConfig, load_calibration
 from llmopt.errors import OptionError
 from llmopt.formats.gptq import LAYOUT
-from llmopt.formats.sensitivity import cache_key, load, measure, save
 from llmopt.model.source import ModelSource
-from llmopt.quant.allocate import Option, allocate
+from llmopt.plan.allocate import Option, allocate
+from llmopt.plan.sensitivity import cache_key, load, measure, save
 from llmopt.quant.grids.integer import IntGrid
 from llmopt.quant.pipeline import HEAD, QuantizeSpec, head_weight_name, module_name
 

@@ -3,7 +3,7 @@ types it has no class for (Q1_0: gguf 0.19 knows the type id and block size, not
 even the type).
 
 One entry point for every reader (`GGUFSource.load`, the runtime's `RawGGUFLinear`), so a type added
-here is readable everywhere at once.
+here (and named in `ggml_types.PARTS`) is readable everywhere at once.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from gguf.quants import dequantize as gguf_dequantize
 
-from llmopt.model.ggml_types import GGMLQuantType
+from llmopt.model.ggml_types import PARTS, GGMLQuantType
 
 
 def dequantize(data: np.ndarray, qtype: GGMLQuantType) -> np.ndarray:
@@ -25,7 +25,7 @@ def _leading_fp16(blocks: np.ndarray) -> np.ndarray:
     return blocks[:, :2].copy().view(np.float16).astype(np.float32)
 
 
-def _q1_0(data: np.ndarray) -> np.ndarray:
+def q1_0(data: np.ndarray) -> np.ndarray:
     """Q1_0 (dequantize_row_q1_0 in ggml-quants.c): 18-byte blocks of an fp16 d and 128 sign bits,
     value j in bit j%8 of byte j/8; w = +d for a set bit, -d otherwise."""
     blocks = data.reshape(-1, 18)
@@ -34,7 +34,7 @@ def _q1_0(data: np.ndarray) -> np.ndarray:
     return (d * signs).reshape(*data.shape[:-1], data.shape[-1] // 18 * 128)
 
 
-def _q2_0(data: np.ndarray) -> np.ndarray:
+def q2_0(data: np.ndarray) -> np.ndarray:
     """Q2_0 (dequantize_row_q2_0 in ggml-quants.c): 18-byte blocks of an fp16 d and 64 two-bit codes,
     value j in bits 2·(j%4) of byte j/4; w = (q - 1)·d."""
     blocks = data.reshape(-1, 18)
@@ -43,4 +43,4 @@ def _q2_0(data: np.ndarray) -> np.ndarray:
     return (d * (q.reshape(-1, 64).astype(np.float32) - 1.0)).reshape(*data.shape[:-1], data.shape[-1] // 18 * 64)
 
 
-_OURS = {"Q1_0": _q1_0, "Q2_0": _q2_0}
+_OURS = {name: globals()[parts.dequantizer] for name, parts in PARTS.items() if parts.dequantizer}  # as PARTS names them

@@ -10,6 +10,11 @@ the types llama.cpp has and the `gguf` package (0.19) does not (Q2_0), checked a
 type traits; `GGMLQuantType` is its enum, whose members equal gguf's `GGMLQuantizationType` members
 as integers (same hashes: either serves as a key of the other's tables), and what readers and the
 writer use, so a file with a Q2_0 tensor reads and writes like any other.
+
+It is also the index of each type's knowledge: `PARTS` names, for every type llmopt writes, its grid
+(the search), its block packer and its dequantizer where the `gguf` package has none. The tables those
+layers dispatch on (`GRIDS`, `blocks.PACKERS`, `dequantize`'s own types) are built from these names,
+and tests/model/test_ggml_types.py checks that every name resolves and that every written type's parts agree.
 """
 
 from __future__ import annotations
@@ -25,6 +30,16 @@ class GGMLType(NamedTuple):
     nbytes: int  # bytes per block
 
 
+class TypeParts(NamedTuple):
+    """Where llmopt keeps what it knows of a type it writes, named as data (this module imports none of
+    them: the planner reads it without torch). (The module a kept-quantized weight of the type becomes
+    is chosen by runtime/linear.py's REGISTRY, which reads this module, not the other way.)"""
+
+    grid: str  # "module.NAME" in llmopt.quant.grids: its search (GRIDS)
+    packer: str  # a function in llmopt.formats.gguf.blocks: its fields to llama.cpp's bytes (PACKERS)
+    dequantizer: str = ""  # a function in llmopt.model.dequantize: its bytes to floats ("": the gguf package's)
+
+
 _ROWS = (
     ("F32", 0, 1, 4), ("F16", 1, 1, 2), ("Q4_0", 2, 32, 18), ("Q4_1", 3, 32, 20), ("Q5_0", 6, 32, 22),
     ("Q5_1", 7, 32, 24), ("Q8_0", 8, 32, 34), ("Q8_1", 9, 32, 40), ("Q2_K", 10, 256, 84), ("Q3_K", 11, 256, 110),
@@ -35,6 +50,34 @@ _ROWS = (
     ("IQ1_M", 29, 256, 56), ("BF16", 30, 1, 2), ("TQ1_0", 34, 256, 54), ("TQ2_0", 35, 256, 66),
     ("MXFP4", 39, 32, 17), ("NVFP4", 40, 64, 36), ("Q1_0", 41, 128, 18), ("Q2_0", 42, 64, 18),
 )  # fmt: skip
+
+PARTS: dict[str, TypeParts] = {  # every block type llmopt writes, in id order
+    "Q4_0": TypeParts("legacy.Q4_0", "pack_q4_0"),
+    "Q4_1": TypeParts("legacy.Q4_1", "pack_q4_1"),
+    "Q5_0": TypeParts("legacy.Q5_0", "pack_q5_0"),
+    "Q5_1": TypeParts("legacy.Q5_1", "pack_q5_1"),
+    "Q8_0": TypeParts("legacy.Q8_0", "pack_q8_0"),
+    "Q2_K": TypeParts("q2_k.Q2_K", "pack_q2_k"),
+    "Q3_K": TypeParts("q3_k.Q3_K", "pack_q3_k"),
+    "Q4_K": TypeParts("q4_k.Q4_K", "pack_q4_k"),
+    "Q5_K": TypeParts("q4_k.Q5_K", "pack_q5_k"),
+    "Q6_K": TypeParts("q6_k.Q6_K", "pack_q6_k"),
+    "IQ2_XXS": TypeParts("iq_lattice.IQ2_XXS", "pack_iq2_xxs"),
+    "IQ2_XS": TypeParts("iq_lattice.IQ2_XS", "pack_iq2_xs"),
+    "IQ3_XXS": TypeParts("iq_lattice.IQ3_XXS", "pack_iq3_xxs"),
+    "IQ1_S": TypeParts("iq1.IQ1_S", "pack_iq1_s"),
+    "IQ4_NL": TypeParts("iq4.IQ4_NL", "pack_iq4_nl"),
+    "IQ3_S": TypeParts("iq_lattice.IQ3_S", "pack_iq3_s"),
+    "IQ2_S": TypeParts("iq_lattice.IQ2_S", "pack_iq2_s"),
+    "IQ4_XS": TypeParts("iq4.IQ4_XS", "pack_iq4_xs"),
+    "IQ1_M": TypeParts("iq1.IQ1_M", "pack_iq1_m"),
+    "TQ1_0": TypeParts("ternary.TQ1_0", "pack_tq1_0"),
+    "TQ2_0": TypeParts("ternary.TQ2_0", "pack_tq2_0"),
+    "MXFP4": TypeParts("fp4.MXFP4", "pack_mxfp4"),
+    "NVFP4": TypeParts("fp4.NVFP4", "pack_nvfp4"),
+    "Q1_0": TypeParts("q1_0.Q1_0", "pack_q1_0", "q1_0"),
+    "Q2_0": TypeParts("q1_0.Q2_0", "pack_q2_0", "q2_0"),
+}  # fmt: skip
 
 GGML_TYPES: dict[str, GGMLType] = {row[0]: GGMLType(*row) for row in _ROWS}
 GGML_TYPES_BY_ID: dict[int, GGMLType] = {t.id: t for t in GGML_TYPES.values()}

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from llmopt.errors import InputError
+from llmopt.model.ggml_types import PARTS
 from llmopt.quant.grids.fp4 import INDEX_OF_CODE as FP4_INDEX_OF_CODE
 from llmopt.quant.grids.iq1 import CODE_STEP as IQ1_CODE_STEP
 from llmopt.quant.grids.iq1 import IQ1_LATTICE
@@ -315,14 +316,7 @@ def pack_iq1_m(qt: QuantizedTensor) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-PACKERS = {
-    "Q8_0": pack_q8_0, "Q4_0": pack_q4_0, "Q4_1": pack_q4_1, "Q5_0": pack_q5_0, "Q5_1": pack_q5_1,
-    "Q2_K": pack_q2_k, "Q3_K": pack_q3_k, "Q4_K": pack_q4_k, "Q5_K": pack_q5_k, "Q6_K": pack_q6_k,
-    "IQ4_NL": pack_iq4_nl, "IQ4_XS": pack_iq4_xs, "TQ1_0": pack_tq1_0, "TQ2_0": pack_tq2_0, "MXFP4": pack_mxfp4,
-    "NVFP4": pack_nvfp4, "IQ3_XXS": pack_iq3_xxs, "IQ2_XXS": pack_iq2_xxs,
-    "IQ2_XS": pack_iq2_xs, "IQ3_S": pack_iq3_s, "IQ2_S": pack_iq2_s, "IQ1_S": pack_iq1_s, "IQ1_M": pack_iq1_m,
-    "Q1_0": pack_q1_0, "Q2_0": pack_q2_0,
-}  # fmt: skip
+PACKERS = {name: globals()[parts.packer] for name, parts in PARTS.items()}  # as ggml_types.PARTS names them
 
 
 def pack(qt: QuantizedTensor) -> np.ndarray:

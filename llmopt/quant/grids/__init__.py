@@ -14,17 +14,19 @@ into llama.cpp's bytes. Every grid does three things:
   fixed, and what the codes stand for; `assemble_spans` collects the result.
 
 Methods round onto whatever grid they are given: GPTQ's error feedback onto Q4_K is `gptq` with
-`GRIDS["Q4_K"]`, not a separate code path.
+`GRIDS["Q4_K"]`, not a separate code path. Which grid a GGML type has is written once, in its entry
+of `llmopt.model.ggml_types.PARTS` (with its packer and dequantizer); `GRIDS` is built from it.
 """
 
 from __future__ import annotations
 
+from importlib import import_module
 from typing import Any, Protocol
 
 import torch
 
 from llmopt.errors import InputError
-from llmopt.quant.grids import fp4, iq1, iq4, iq_lattice, legacy, q1_0, q2_k, q3_k, q4_k, q6_k, ternary
+from llmopt.model.ggml_types import PARTS
 from llmopt.quant.grids.integer import IntGrid
 from llmopt.quantized_tensor import QuantizedTensor
 
@@ -47,14 +49,13 @@ class Grid(Protocol):
     def assemble_spans(self, codes: torch.Tensor, params: list[Any], g_idx: torch.Tensor | None = None) -> QuantizedTensor: ...
 
 
-GRIDS: dict[str, Any] = {
-    "Q8_0": legacy.Q8_0, "Q4_0": legacy.Q4_0, "Q4_1": legacy.Q4_1, "Q5_0": legacy.Q5_0, "Q5_1": legacy.Q5_1,
-    "Q2_K": q2_k.Q2_K, "Q3_K": q3_k.Q3_K, "Q4_K": q4_k.Q4_K, "Q5_K": q4_k.Q5_K, "Q6_K": q6_k.Q6_K,
-    "IQ4_NL": iq4.IQ4_NL, "IQ4_XS": iq4.IQ4_XS, "TQ1_0": ternary.TQ1_0, "TQ2_0": ternary.TQ2_0, "MXFP4": fp4.MXFP4,
-    "NVFP4": fp4.NVFP4, "IQ3_XXS": iq_lattice.IQ3_XXS, "IQ2_XXS": iq_lattice.IQ2_XXS,
-    "IQ2_XS": iq_lattice.IQ2_XS, "IQ3_S": iq_lattice.IQ3_S, "IQ2_S": iq_lattice.IQ2_S, "IQ1_S": iq1.IQ1_S,
-    "IQ1_M": iq1.IQ1_M, "Q1_0": q1_0.Q1_0, "Q2_0": q1_0.Q2_0,
-}  # fmt: skip
+def _grid(ref: str) -> Any:
+    """The grid a GGML type's row names ("module.NAME" in this package)."""
+    module, name = ref.split(".")
+    return getattr(import_module(f"{__name__}.{module}"), name)
+
+
+GRIDS: dict[str, Any] = {name: _grid(parts.grid) for name, parts in PARTS.items()}  # every type llmopt writes, by GGML id
 
 
 def gguf_grid(type_name: str) -> Any:

@@ -22,7 +22,8 @@ import torch
 from llmopt.formats.gguf.blocks import pack
 from llmopt.model.ggml_types import GGML_TYPES_BY_ID, GGMLQuantType
 from llmopt.quant.grids import quantize
-from llmopt.runtime.gguf_linear import RawGGUFLinear, quantized_linear
+from llmopt.runtime.gguf_linear import RawGGUFLinear
+from llmopt.runtime.linear import quantized_module
 
 TYPES = ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "F16", "IQ4_NL", "IQ4_XS",
          "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "Q1_0", "Q2_0",
@@ -60,7 +61,7 @@ def measure(qtype: str, rows: int, cols: int, reference: bool = False) -> dict |
         return None  # rows not a whole number of blocks (K types: 256)
     data = block_rows(qtype, rows, cols)
     copies = max(2, -(-CACHE_BYTES // data.numel()))
-    layers = [quantized_linear(GGMLQuantType[qtype], data.clone(), None) for _ in range(copies)]
+    layers = [quantized_module(GGMLQuantType[qtype], data.clone(), None) for _ in range(copies)]
     x = torch.randn(1, cols)
     dense = [torch.nn.Linear(cols, rows, bias=False) for _ in range(max(2, -(-CACHE_BYTES // (4 * rows * cols))))]
     with torch.no_grad():

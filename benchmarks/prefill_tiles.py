@@ -19,6 +19,7 @@ from decode_products import block_rows, report
 
 import llmopt.runtime.gguf_linear as gl
 from llmopt.model.ggml_types import GGML_TYPES_BY_ID, GGMLQuantType
+from llmopt.runtime.linear import quantized_module
 
 
 def main() -> None:
@@ -40,7 +41,7 @@ def main() -> None:
             n, k = map(int, shape.split("x"))
             if k % GGML_TYPES_BY_ID[GGMLQuantType[qtype]].block:
                 continue  # rows not a whole number of blocks (K types: 256)
-            layer = gl.quantized_linear(GGMLQuantType[qtype], block_rows(qtype, n, k), None)
+            layer = quantized_module(GGMLQuantType[qtype], block_rows(qtype, n, k), None)
             dense = torch.randn(n, k)
             for m in map(int, args.rows.split(",")):
                 x = torch.randn(m, k)

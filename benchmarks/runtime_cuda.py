@@ -166,8 +166,9 @@ def quantized_8b(kind: str, compile: bool, device: torch.device = torch.device("
     from llmopt.formats.gguf.writer import plan_gguf
     from llmopt.model.decoder import Decoder, Rotary, hf_to_param_name
     from llmopt.model.ggml_types import GGMLQuantType
-    from llmopt.runtime.gguf_linear import quantized_linear, stacked
+    from llmopt.runtime.gguf_linear import stacked
     from llmopt.runtime.int4 import PackedInt4Linear
+    from llmopt.runtime.linear import quantized_module
     from llmopt.runtime.row_major import fuse_shared_inputs
 
     arch = arch or llama3_8b_arch()
@@ -189,7 +190,7 @@ def quantized_8b(kind: str, compile: bool, device: torch.device = torch.device("
             module = PackedInt4Linear(codes, scales, -8 * scales, 128, None)
         else:
             blocks = block_rows(types[path].name, out_f, in_f)  # (speed: only the bytes' amount matters)
-            module = quantized_linear(types[path], blocks, None, torch.bfloat16, device)
+            module = quantized_module(types[path], blocks, None, torch.bfloat16, device)
         model.set_submodule(path, module)
     floats = {n: (torch.randn(p.shape, device=device) * 0.02 if p.dim() == 2 else torch.ones(p.shape, device=device))
               for n, p in model.named_parameters() if p.is_meta}

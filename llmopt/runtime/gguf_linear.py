@@ -1,6 +1,6 @@
 """GGUF weights kept in their quantized form in memory (CPU or CUDA), instead of dequantized to the compute dtype.
 
-Each 2-D weight of a quantized (or F16) type takes one of these paths:
+Each 2-D weight of a quantized (or F16) type takes one of these paths (the registry in linear.py chooses):
 
 * Q4_0, Q4_1, Q4_K in a bfloat16 model -> `PackedInt4Linear` (torch's int4 kernel). All three are 4-bit
   codes with one scale and one offset per 32 inputs: Q4_0 W = (q - 8) d, Q4_1 W = d q + m, Q4_K
@@ -41,7 +41,6 @@ from llmopt.model.gguf_file import GGUFSource
 from llmopt.quant.grids.codebooks import IQ4_VALUES
 from llmopt.runtime.gguf_gemv import (bind_product, f16_gemv, fifth_bits, int8_gemv, iq4_gemv, k_low_codes,
                                       k_low_gemv, nibble_gemv, q6_k_codes, q6_k_gemv)
-from llmopt.runtime.int4 import KERNEL_DTYPE, PackedInt4Linear, kernel_shape_ok
 
 Q = GGMLQuantType
 IQ4_LEVELS = torch.tensor(IQ4_VALUES, dtype=torch.float32)  # IQ4Linear's tiles look the levels up (its `lookup`)
@@ -54,7 +53,6 @@ TILE_BYTES = 8 << 20
 # group down the rows' lanes, one float32 vector of 16 (AVX-512) or two (AVX2) per step, with no
 # horizontal sums. Q4_0 3072x576 from RAM, 2 threads: 155 us against 192 row by row (docs/generate.md).
 LANES = 16
-INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 DENSE_TYPES = (Q.F32, Q.BF16)  # loaded as ordinary float weights
 
 
@@ -526,8 +524,9 @@ class RawGGUFLinear(nn.Module):
 
 class QuantizedEmbedding(nn.Module):
     """Token embeddings read from a quantized module's rows, dequantizing only the rows looked up: the
-    tied LM head's (the table held once) or the table's own module (`quantized_table`). Torch ops on the
-    module's device but for a type without a field module (RawGGUFLinear's rows: numpy, on the CPU)."""
+    tied LM head's (the table held once) or the table's own module (linear.quantized_module's `rows`).
+    Torch ops on the module's device but for a type without a field module (RawGGUFLinear's rows: numpy,
+    on the CPU)."""
 
     def __init__(self, table: nn.Module, dtype: torch.dtype):
         super().__init__()
@@ -572,50 +571,3 @@ def stacked(modules: list[nn.Module]) -> nn.Module | None:
         fused.register_buffer(name, None if buf is None else made[id(buf)])
     fused.bias = None if first.bias is None else nn.Parameter(torch.cat([m.bias for m in modules]), requires_grad=False)
     return fused
-
-
-def quantized_linear(qtype: GGMLQuantType, data: torch.Tensor, bias: torch.Tensor | None,
-                     dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> nn.Module:
-    """The module that holds one GGUF linear in its quantized form in a `dtype` model on `device` (default:
-    the data's; see the module docstring). Built where the bytes are, then moved: one weight at a time."""
-    device = data.device if device is None else device
-    if qtype in INT4_TYPES and dtype == KERNEL_DTYPE:
-        codes, scales, offsets = int4_parts(qtype, data)
-        if kernel_shape_ok(codes.shape[0], codes.shape[1], 32, device):
-            return PackedInt4Linear(*(t.to(device) for t in (codes, scales, offsets)), 32,
-                                    None if bias is None else bias.to(device))
-    return _field_linear(qtype, data, bias).to(device)
-
-
-def quantized_table(qtype: GGMLQuantType, data: torch.Tensor, device: torch.device | None = None) -> nn.Module:
-    """A GGUF table read by rows (an untied embedding) held in its quantized form: the type's field module,
-    as for a linear but never the int4 kernel, whose packing cannot give rows back."""
-    return _field_linear(qtype, data, None).to(data.device if device is None else device)
-
-
-def _field_linear(qtype: GGMLQuantType, data: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-    if qtype in NIBBLE_TYPES:
-        return NibbleLinear(qtype, data, bias)
-    if qtype == Q.Q8_0:
-        return Int8GroupLinear(data, bias)
-    if qtype == Q.Q6_K:
-        return Q6KLinear(data, bias)
-    if qtype in (Q.Q2_K, Q.Q3_K):
-        return KLowLinear(qtype, data, bias)
-    if qtype == Q.F16:
-        return F16Linear(data, bias)
-    if qtype in (Q.IQ4_NL, Q.IQ4_XS):
-        return IQ4Linear(qtype, data, bias)
-    from llmopt.runtime import gguf_codes, gguf_lattice  # (they build on FieldLinear, above)
-
-    if qtype in gguf_lattice.TYPES:
-        return gguf_lattice.LatticeLinear(qtype, data, bias)
-    if qtype in gguf_codes.TYPES:
-        return gguf_codes.CodeLinear(qtype, data, bias)
-    return RawGGUFLinear(qtype, data, bias)
-
-
-def kept_quantized(source: GGUFSource, name: str) -> bool:
-    """Whether HF tensor `name` stays quantized: a 2-D weight stored in a block type or F16."""
-    info = source.tensors[name]
-    return name.endswith(".weight") and len(info.shape) == 2 and Q[info.dtype] not in DENSE_TYPES

@@ -6,12 +6,15 @@ through rebuilt tiles) or are dequantized into the runtime dtype (torch's dense 
 read one tensor at a time so that peak memory is the model plus one tensor. By default they stay
 quantized only when the dequantized model would not fit comfortably in the device's memory
 (`keep_gguf_quantized`); `gguf_quantized` forces either way, and `packed=False` always dequantizes.
+
+Every source, float, GGUF or packed GPTQ/AWQ, is assembled by one routine (`assemble`); which module a
+stored weight becomes is decided by runtime/linear.py's registry alone.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -24,13 +27,11 @@ from llmopt.model import ModelSource, TokenizerInfo, open_model
 from llmopt.model.decoder import Decoder, Rotary, hf_to_param_name
 from llmopt.model.gguf_file import GGUFSource
 from llmopt.model.quantized_dir import PackedDirSource
-from llmopt.runtime import group_int
+from llmopt.model.ggml_types import GGMLQuantType
 from llmopt.runtime.arena import pack_contiguously
-from llmopt.runtime.gguf_linear import (QuantizedEmbedding, kept_quantized, quantized_linear, quantized_table, raw_rows,
-                                        stacked)
-from llmopt.runtime.int4 import PackedInt4Linear, packable
+from llmopt.runtime.gguf_linear import QuantizedEmbedding, raw_rows, stacked
+from llmopt.runtime.linear import RowSource, Weight, has_module, quantized_module
 from llmopt.runtime.row_major import fuse_shared_inputs, use_row_major_linears
-from llmopt.quantized_tensor import QuantizedTensor
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -68,22 +69,18 @@ def load_model(spec: str, dtype: str = "auto", device: str = "auto", packed: boo
 
 def build_decoder(source: ModelSource, dtype: torch.dtype, device: torch.device, packed: bool = True,
                   gguf_quantized: bool | None = None) -> Decoder:
-    """Float sources: in the dtype. GGUF with `packed`: weights stay quantized (gguf_linear.py)
-    when `gguf_quantized` says so (None: when `keep_gguf_quantized`); otherwise dequantized into the dtype.
-    GPTQ and AWQ with `packed`: layers stay packed (a bfloat16 model's 4-bit ones on the int4 kernel, the
-    others as bit planes) where their shapes allow, the rest is dequantized layer by layer. On CPU, float linears
-    take the row-major layout that streams weights fastest (see row_major.py), and the weights then
-    move into one contiguous block (arena.py)."""
-    if isinstance(source, PackedDirSource):
-        model = _packed_decoder(source, dtype, device, packed)
-    elif packed and isinstance(source, GGUFSource) and (
-            keep_gguf_quantized(source, dtype, device) if gguf_quantized is None else gguf_quantized):
-        model = _gguf_decoder(source, dtype, device)
-    elif source.quantization_config:
+    """Float tensors load in the dtype. With `packed`, a weight stored in a form the registry knows
+    (runtime/linear.py: GPTQ and AWQ layers, GGUF types) stays in it where a candidate fits (a bfloat16 model's
+    4-bit layers on the int4 kernel, the other GPTQ/AWQ layers as bit planes, GGUF in its type's fields)
+    and is dequantized otherwise; a GGUF model only when `gguf_quantized` says so (None: when
+    `keep_gguf_quantized`). On CPU, float linears take the row-major layout that streams weights fastest
+    (see row_major.py), and the weights then move into one contiguous block (arena.py)."""
+    if source.quantization_config and not isinstance(source, PackedDirSource):
         method = source.quantization_config.get("quant_method", "quantized")
         raise InputError(f"{source.path}: {method} checkpoints are not supported by the runtime")
-    else:
-        model = Decoder.from_source(source, dtype, device)
+    keep = packed and (not isinstance(source, GGUFSource) or (
+        keep_gguf_quantized(source, dtype, device) if gguf_quantized is None else gguf_quantized))
+    model = assemble(source, dtype, device, keep)
     if device.type != "cpu":
         return model
     if isinstance(model.lm_head, nn.Linear) and isinstance(model.embed_tokens, nn.Embedding):
@@ -118,60 +115,78 @@ def device_memory(device: torch.device) -> int:
     return available_memory()
 
 
-def _packed_decoder(source: PackedDirSource, dtype: torch.dtype, device: torch.device, packed: bool) -> Decoder:
-    arch = source.arch
-    with torch.device("meta"):
-        model = Decoder(arch)
-    kept: dict[str, tuple[QuantizedTensor, Callable]] = {}  # with what builds its module: int4 kernel, bit planes
-    state = {}
-    for name in source.tensors:
-        module = name.removesuffix(".weight")
-        if packed and name.endswith(".weight") and module in source.modules:
-            qt = source.quantized(module)
-            if packable(qt, device, dtype):
-                kept[hf_to_param_name(module)] = (qt, lambda q, bias: PackedInt4Linear.from_quantized(q, bias, device))
-                continue
-            if group_int.kept(qt):  # (built on the CPU, then moved)
-                kept[hf_to_param_name(module)] = (qt, lambda q, bias: group_int.GroupIntLinear(q, bias).to(device))
-                continue
-        state[hf_to_param_name(name)] = source.load(name, dtype=torch.float32).to(device=device, dtype=dtype)
-    if "lm_head.weight" not in state and "lm_head" not in kept:
-        state["lm_head.weight"] = state["embed_tokens.weight"]
-    model.load_state_dict(state, strict=False, assign=True)
-    for path, (qt, build) in kept.items():
-        _replace(model, path, build(qt, model.get_submodule(path).bias))
-    fuse_shared_inputs(model, stacked)  # bit planes of one layout (the float linears fuse later)
-    return _finished(model, source, device)
-
-
-def _gguf_decoder(source: GGUFSource, dtype: torch.dtype, device: torch.device) -> Decoder:
-    """Every quantized (or F16) 2-D weight becomes a module holding it in that form on `device`; norms,
-    biases and F32 tensors load as floats. One tensor is copied out of the file's map at a time."""
+def assemble(source: ModelSource, dtype: torch.dtype, device: torch.device, keep: bool) -> Decoder:
+    """The one decoder assembly. Float tensors load as floats; with `keep`, each weight stored in a form the
+    registry knows is asked for its module (`_place`), one at a time, the file's pages and the temporaries'
+    heap pages handed back after each; then linears that read one input are stacked."""
     with torch.device("meta"):
         model = Decoder(source.arch)
-    kept = [n for n in source.tensors if kept_quantized(source, n)]
-    state = {hf_to_param_name(n): source.load(n, dtype=torch.float32).to(device=device, dtype=dtype)
-             for n in source.tensors if n not in kept}
+    stored = {n: f for n in source.tensors if keep and has_module(f := stored_form(source, n))}
+    state = {hf_to_param_name(n): _float(source, n, dtype, device) for n in source.tensors if n not in stored}
+    tied = head_tied(source)
+    if tied and "embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state, strict=False, assign=True)
-    if "lm_head.weight" not in source.tensors and "model.embed_tokens.weight" not in kept:
-        model.lm_head.weight = model.embed_tokens.weight  # tied, float
-    for name in kept:
-        qtype, data = raw_rows(source, name)
-        path = hf_to_param_name(name).removesuffix(".weight")
-        if path == "embed_tokens":
-            tied = "lm_head.weight" not in source.tensors  # one quantized table serves both
-            if tied:
-                model.lm_head = quantized_linear(qtype, data, None, dtype, device)
-            shared = tied and hasattr(model.lm_head, "rows")  # (the int4 kernel's packing cannot give rows back)
-            model.embed_tokens = QuantizedEmbedding(model.lm_head if shared else quantized_table(qtype, data, device),
-                                                    dtype)
-        else:
-            _replace(model, path, quantized_linear(qtype, data, model.get_submodule(path).bias, dtype, device))
-        del data
+    for name, form in stored.items():
+        _place(model, source, name, form, dtype, device, tied)
         source.release_pages()  # copied out: the file's pages need not stay resident
         return_freed_memory()  # nor the temporaries' heap pages
     fuse_shared_inputs(model, stacked, after_each=return_freed_memory)  # the parts' heap pages too
     return _finished(model, source, device)
+
+
+def head_tied(source: ModelSource) -> bool:
+    """Whether the LM head reads the embedding table: when the source holds no head, or a float checkpoint's
+    config says tied (as transformers loads it). A packed checkpoint's own head stays its own (it may be
+    quantized while the config still says tied)."""
+    return "lm_head.weight" not in source.tensors or (
+        source.arch.tie_word_embeddings and not isinstance(source, PackedDirSource))
+
+
+def stored_form(source: ModelSource, name: str) -> Hashable | None:
+    """The registry's key for HF tensor `name` where it is a linear's weight stored quantized: its GGUF type
+    (a 2-D weight), or a packed checkpoint's method for its packed layers; None for a float tensor."""
+    if not name.endswith(".weight"):
+        return None
+    if isinstance(source, GGUFSource):
+        return GGMLQuantType[source.tensors[name].dtype] if len(source.tensors[name].shape) == 2 else None
+    if isinstance(source, PackedDirSource) and name.removesuffix(".weight") in source.modules:
+        return source.method
+    return None
+
+
+def _stored_weight(source: ModelSource, name: str) -> Weight:
+    """A GGUF weight's block bytes (rows in HF order), or a packed layer as a QuantizedTensor."""
+    if isinstance(source, GGUFSource):
+        return raw_rows(source, name)[1]
+    return source.quantized(name.removesuffix(".weight"))
+
+
+def _float(source: ModelSource, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Tensor `name` dequantized (or read) in float32, then in the model's dtype on `device`."""
+    return source.load(name, dtype=torch.float32).to(device=device, dtype=dtype)
+
+
+def _place(model: Decoder, source: ModelSource, name: str, form: Hashable, dtype: torch.dtype, device: torch.device,
+           tied: bool) -> None:
+    """Put weight `name` into `model` as the registry's module for it, or as floats where none fits. A stored
+    embedding becomes a QuantizedEmbedding over the tied head's module where that gives rows (held once),
+    else over a table module of its own."""
+    weight = _stored_weight(source, name)
+    path = hf_to_param_name(name).removesuffix(".weight")
+    if path == "embed_tokens":
+        if tied:
+            model.lm_head = quantized_module(form, weight, None, dtype, device)
+        table = model.lm_head if tied and isinstance(model.lm_head, RowSource) else quantized_module(
+            form, weight, None, dtype, device, rows=True)
+        model.embed_tokens = QuantizedEmbedding(table, dtype)
+        return
+    module = quantized_module(form, weight, model.get_submodule(path).bias, dtype, device)
+    if module is None:
+        model.load_state_dict({hf_to_param_name(name): _float(source, name, dtype, device)}, strict=False,
+                              assign=True)
+    else:
+        _replace(model, path, module)
 
 
 def _replace(model: nn.Module, path: str, module: nn.Module) -> None:

@@ -13,9 +13,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from llmopt.model import open_model
 from llmopt.quantized_tensor import QuantizedTensor
 from llmopt.runtime import weights
-from llmopt.runtime.gguf_linear import FieldLinear, QuantizedEmbedding, int4_parts, quantized_linear, quantized_table
+from llmopt.runtime.gguf_linear import FieldLinear, QuantizedEmbedding, int4_parts
 from llmopt.runtime.group_int import GroupIntLinear
 from llmopt.runtime.int4 import PackedInt4Linear, cuda_int4_input, inner_k_tiles, kernel_shape_ok, packable
+from llmopt.runtime.linear import quantized_module
 from tests.formats.gguf.models import make_wide_hf
 from tests.runtime.test_gguf_linear import CODES, LATTICE, _blocks, _write
 
@@ -34,14 +35,15 @@ def _on_cuda(module: torch.nn.Module) -> bool:
 def test_field_linears_compute_everything_on_the_weights_device(qtype):
     """On the meta device (fake CUDA tensors cannot be sliced on a CPU-only torch): arithmetic between a
     CPU constant and the module's tensors fails there as it would on a GPU."""
-    layer = quantized_linear(qtype, _blocks(qtype, rows=48), torch.randn(48), torch.float32, META)
+    layer = quantized_module(qtype, _blocks(qtype, rows=48), torch.randn(48), torch.float32, META)
     assert isinstance(layer, FieldLinear) and all(t.is_meta for t in [*layer.parameters(), *layer.buffers()])
     x = torch.randn(3, 512, device=META)
     y = layer(x)  # several rows: the tiles, rebuilt where the weights are
     assert (y.shape, y.device) == ((3, 48), META)
     one = layer.gemv(x[0], *layer.fields())  # a decode step's product (compiled there; here its ops)
     assert one.device == META and one.shape[0] >= 48
-    emb = QuantizedEmbedding(quantized_table(qtype, _blocks(qtype, rows=48), META), torch.bfloat16)
+    table = quantized_module(qtype, _blocks(qtype, rows=48), None, device=META, rows=True)
+    emb = QuantizedEmbedding(table, torch.bfloat16)
     rows = emb(torch.tensor([[3, 0, 47]], device=META))  # an untied embedding: no numpy, no CPU round trip
     assert (rows.shape, rows.dtype, rows.device) == ((1, 3, 512), torch.bfloat16, META)
 

@@ -18,9 +18,9 @@ from llmopt.quant.grids import quantize
 from llmopt.runtime.gguf_codes import CodeLinear
 from llmopt.runtime.gguf_lattice import LatticeLinear
 from llmopt.runtime.gguf_linear import (F16Linear, Int8GroupLinear, IQ4Linear, KLowLinear, NibbleLinear, Q6KLinear,
-                                        QuantizedEmbedding, RawGGUFLinear, int4_parts,
-                                        quantized_linear, quantized_table, stacked)
+                                        QuantizedEmbedding, RawGGUFLinear, int4_parts, stacked)
 from llmopt.runtime.int4 import PackedInt4Linear
+from llmopt.runtime.linear import QuantizedLinear, RowSource, quantized_module
 from llmopt.runtime.weights import load_model
 from tests.formats.gguf.models import make_wide_hf
 
@@ -62,7 +62,7 @@ def test_float32_linears_equal_the_dequantized_linear_exactly(qtype, cls, monkey
 
     monkeypatch.setattr(gl, "TILE_BYTES", 16 * 512 * 4)  # several tiles of 16 rows
     data = _blocks(qtype, rows=48, cols=512)
-    layer = quantized_linear(qtype, data, None)
+    layer = quantized_module(qtype, data, None)
     assert isinstance(layer, cls)
     x = torch.randn(3, 512)
     ref = torch.from_numpy(dequantize(data.numpy(), qtype))
@@ -97,7 +97,7 @@ def test_q1_0_and_q2_0_modules_read_as_llmopts_own_dequantizer(name):
 
     w = torch.from_numpy(np.random.default_rng(1).standard_normal((40, 512)).astype(np.float32) * 0.02)
     data = torch.from_numpy(np.ascontiguousarray(pack(quantize(name, w)))).view(torch.uint8).reshape(40, -1)
-    layer = quantized_linear(GGMLQuantType[name], data, None)
+    layer = quantized_module(GGMLQuantType[name], data, None)
     ref = torch.from_numpy(ours(data.numpy(), GGMLQuantType[name]))
     assert isinstance(layer, CodeLinear) and torch.equal(layer.rows(slice(0, 40)), ref)
     x = torch.randn(1, 512)
@@ -107,7 +107,7 @@ def test_q1_0_and_q2_0_modules_read_as_llmopts_own_dequantizer(name):
 def test_int4_kernel_rounds_only_scales_and_activations_to_bfloat16():
     """The kernel's product equals the product of bfloat16-rounded inputs and scale/offset pairs."""
     data = _blocks(Q.Q4_K)
-    layer = quantized_linear(Q.Q4_K, data, None, torch.bfloat16)
+    layer = quantized_module(Q.Q4_K, data, None, torch.bfloat16)
     assert isinstance(layer, PackedInt4Linear)
     codes, scales, offsets = int4_parts(Q.Q4_K, data)
     bf = lambda t: t.to(torch.bfloat16).float()  # noqa: E731
@@ -119,7 +119,7 @@ def test_int4_kernel_rounds_only_scales_and_activations_to_bfloat16():
 @pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q4_0, Q.IQ4_XS, Q.TQ2_0])
 def test_an_untied_embedding_keeps_its_table_quantized_and_dequantizes_the_rows_it_reads(qtype):
     data = _blocks(qtype, rows=10, cols=256)
-    table = quantized_table(qtype, data)
+    table = quantized_module(qtype, data, None, rows=True)
     assert not isinstance(table, (RawGGUFLinear, PackedInt4Linear))  # torch ops on the table's device
     emb = QuantizedEmbedding(table, torch.bfloat16)
     ids = torch.tensor([[3, 0, 9], [3, 3, 1]])
@@ -198,10 +198,21 @@ def test_bfloat16_model_takes_the_int4_kernel_within_its_rounding(wide, tmp_path
 
 def test_a_kernel_shape_it_cannot_tile_falls_back_to_the_blocks():
     data = _blocks(Q.Q4_0, rows=40)  # the kernel packs 16 output rows at a time
-    layer = quantized_linear(Q.Q4_0, data, None, torch.bfloat16)
+    layer = quantized_module(Q.Q4_0, data, None, torch.bfloat16)
     assert isinstance(layer, NibbleLinear)
     x = torch.randn(2, 512)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, torch.from_numpy(dequantize(data.numpy(), Q.Q4_0))))
+
+
+def test_a_table_read_by_rows_never_takes_the_int4_kernel():
+    """The registry's `rows`: a bfloat16 Q4_0 head takes the int4 kernel, whose packing gives no rows back;
+    the same bytes as a table (an untied embedding) take the type's field module. Both keep the contract."""
+    data = _blocks(Q.Q4_0, rows=32)
+    head = quantized_module(Q.Q4_0, data, None, torch.bfloat16)
+    table = quantized_module(Q.Q4_0, data, None, torch.bfloat16, rows=True)
+    assert isinstance(head, PackedInt4Linear) and not isinstance(head, RowSource)
+    assert isinstance(table, NibbleLinear) and isinstance(table, RowSource)
+    assert all(isinstance(m, QuantizedLinear) and (m.out_features, m.in_features) == (32, 512) for m in (head, table))
 
 
 def test_by_default_a_gguf_stays_quantized_only_when_dequantized_it_would_not_fit(wide, tmp_path, monkeypatch):
@@ -229,7 +240,7 @@ def test_a_decode_step_takes_the_compiled_product(qtype, monkeypatch):
 
     data = _blocks(qtype, rows=40, cols=512, seed=3)
     bias = torch.randn(40)
-    layer = quantized_linear(qtype, data, bias)
+    layer = quantized_module(qtype, data, bias)
     ref = torch.from_numpy(dequantize(data.numpy(), qtype))
     x = torch.randn(1, 1, 512)
     calls, real = [], gl.bind_product
@@ -261,7 +272,7 @@ def test_iq4_levels_by_arithmetic_are_the_table():
 def test_a_decode_step_binds_again_when_the_fields_are_replaced():
     """The product bound to a module's fields follows them when they are replaced (`.to()`, the arena):
     zeroed copies give a zero product, not the old fields' one."""
-    layer = quantized_linear(Q.Q8_0, _blocks(Q.Q8_0, rows=32, cols=256), None)
+    layer = quantized_module(Q.Q8_0, _blocks(Q.Q8_0, rows=32, cols=256), None)
     x = torch.randn(1, 256)
     assert layer(x).abs().max() > 0
     layer._apply(torch.zeros_like)
@@ -281,7 +292,7 @@ def test_without_a_compiler_the_decode_step_takes_the_tile_path(monkeypatch, cap
     monkeypatch.setattr(gguf_gemv, "_failed", False)
     monkeypatch.setattr(torch._inductor, "compile", broken)
     data = _blocks(Q.Q4_0, rows=20, cols=256)
-    layer = quantized_linear(Q.Q4_0, data, None)
+    layer = quantized_module(Q.Q4_0, data, None)
     ref = torch.from_numpy(dequantize(data.numpy(), Q.Q4_0))
     x = torch.randn(1, 256)
     with caplog.at_level("WARNING"):
@@ -296,7 +307,7 @@ def test_without_a_compiler_the_decode_step_takes_the_tile_path(monkeypatch, cap
 def test_linears_reading_one_input_stack_into_one_module(qtype):
     """q/k/v (or gate/up) of one layout become one module: its rows and products are the parts', stacked;
     parts of different layouts stay apart."""
-    parts = [quantized_linear(qtype, _blocks(qtype, rows=r, seed=r), torch.randn(r)) for r in (32, 16, 16)]
+    parts = [quantized_module(qtype, _blocks(qtype, rows=r, seed=r), torch.randn(r)) for r in (32, 16, 16)]
     fused = stacked(parts)
     assert type(fused) is type(parts[0]) and fused.out_features == 64 and fused.in_features == 512
     held = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for p in [fused] for b in p.buffers()}
@@ -306,8 +317,8 @@ def test_linears_reading_one_input_stack_into_one_module(qtype):
     for x in (torch.randn(1, 512), torch.randn(5, 512)):  # a decode step's compiled product, and tiles
         torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], dim=-1), rtol=1e-5, atol=1e-5)
     other = Q.Q4_1 if qtype == Q.Q4_0 else Q.Q4_0  # another layout (Q4_0 against Q4_1: another multiplier)
-    assert stacked([parts[0], quantized_linear(other, _blocks(other), torch.randn(32))]) is None
-    assert stacked([parts[0], quantized_linear(qtype, _blocks(qtype), None)]) is None  # with and without a bias
+    assert stacked([parts[0], quantized_module(other, _blocks(other), torch.randn(32))]) is None
+    assert stacked([parts[0], quantized_module(qtype, _blocks(qtype), None)]) is None  # with and without a bias
 
 
 @pytest.mark.parametrize(("mix", "overrides", "held"), [

@@ -65,6 +65,27 @@ def test_float32_gptq_stays_in_bit_planes_with_the_dequantized_logits(gptq_dirs,
     assert (a - b).abs().max() <= 1e-3 * b.abs().max()
 
 
+def test_the_registry_alone_decides_what_a_packed_layer_becomes(gptq_dirs, monkeypatch):
+    """weights.py asks runtime/linear.py's registry for every packed layer: with GPTQ's entry left only its
+    bit planes, a bfloat16 model that took the int4 kernel holds bit planes; with no entry, it is dequantized
+    (the logits of `packed=False`, exactly)."""
+    from llmopt.runtime import linear
+
+    path = str(gptq_dirs["w4g32"])
+    _, planes = linear.REGISTRY["gptq"]
+    monkeypatch.setitem(linear.REGISTRY, "gptq", (planes,))
+    model = load_model(path, "bfloat16", "cpu").model
+    assert not any(isinstance(m, PackedInt4Linear) for m in model.modules())
+    assert sum(isinstance(m, GroupIntLinear) for m in model.modules()) == 2 * 4  # q/k/v and gate/up stacked
+    monkeypatch.delitem(linear.REGISTRY, "gptq")
+    model = load_model(path, "float32", "cpu").model
+    dense = load_model(path, "float32", "cpu", packed=False).model
+    assert not any(isinstance(m, (PackedInt4Linear, GroupIntLinear)) for m in model.modules())
+    ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(model(ids), dense(ids))
+
+
 def test_cli_generate_and_eval_on_gptq(llmopt_here, gptq_dirs, tiny_models, tmp_path):
     from tests.factories import CORPUS
 

@@ -19,6 +19,7 @@ from llmopt.model.tokenizer import TokenizerInfo
 from llmopt.runtime.compiled import CompiledDecoder
 from llmopt.runtime.sampling import SamplingConfig, next_token
 from llmopt.runtime.speculative import Drafter, accept_drafts
+from llmopt.runtime.steps import Steps
 from llmopt.runtime.stream import TextStream
 
 
@@ -144,29 +145,17 @@ class Generator:
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.num_draft = num_draft
-        self.prefill_chunk = prefill_chunk
         self.eos = eos_ids(tokenizer) if eos is None else eos
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
         self.compiled = CompiledDecoder.for_model(model) if compile else None
+        self.steps = Steps(model, prefill_chunk, self.compiled)
+        self.device, self.dtype = self.steps.device, self.steps.dtype
         self.cache_factory = self.compiled if self.compiled is not None else cache_factory
         self._cache_long = False  # whether the cache holds keys rotated by longrope's long factors
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, cache: GenerationCache) -> torch.Tensor:
-        """Run the prompt through the model in chunks; return the logits after its last token."""
-        return self.model.lm_head(self.prefill_range(ids, cache)[0, -1]).float()
-
-    def prefill_range(self, ids: torch.Tensor, cache: GenerationCache, reach: int = 0) -> torch.Tensor:
-        """Write the K/V of `ids` (positions 0..) into the cache in chunks, each with the rope of one
-        forward over them all (longrope's table is chosen by where that forward ends: at least
-        `reach`); return the last chunk's hidden states."""
-        h = None
-        for start in range(0, ids.shape[0], self.prefill_chunk):
-            chunk = ids[None, start:start + self.prefill_chunk]
-            rope = self.model.rotary(start, chunk.shape[1], self.dtype, reach=max(reach, ids.shape[0]))
-            h = self.model.hidden(chunk, start, cache, rope)
-        return h
+        """Run the prompt `ids` [n] through the model in chunks; return the logits after its last token."""
+        return self.model.lm_head(self.steps.prefill(ids[None], cache)[0, -1]).float()
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_tokens: int = 256, sampling: SamplingConfig = SamplingConfig(),
@@ -216,7 +205,7 @@ class Generator:
         there), so every later token sees the whole sequence under the long factors."""
         if self._cache_long or not self._long_rope(end):
             return
-        self.prefill_range(torch.tensor(ids[:-1], device=self.device), cache, reach=end)
+        self.steps.prefill(torch.tensor([ids[:-1]], device=self.device), cache, reach=end)
         self._cache_long = True
 
     def _history(self, ids: list[int], sampling: SamplingConfig) -> torch.Tensor:
@@ -227,10 +216,7 @@ class Generator:
                     generator: torch.Generator, metrics: Metrics) -> list[int]:
         """One forward pass of the last token, one new token."""
         self._refresh_for_long_rope(ids, cache, len(ids))
-        if self.compiled is not None:
-            logits = self.compiled.decode(ids[-1], len(ids) - 1)
-        else:
-            logits = self.model(torch.tensor([[ids[-1]]], device=self.device), len(ids) - 1, cache)[0, -1]
+        logits = self.steps.decode(ids[-1], len(ids) - 1, cache)[0]
         metrics.target_forwards += 1
         return [next_token(logits, sampling, self._history(ids, sampling), generator)]
 

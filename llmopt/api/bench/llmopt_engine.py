@@ -3,8 +3,8 @@
 The batch shares one `StaticKVCache`, [B, kv_heads, P + gen, head_dim] per layer (the cache
 already has a batch axis), and one `Decoder` forward per step, so each step streams the weights
 once for all B sequences: batch B buys up to B tokens for the bytes batch 1 reads for one. Prefill
-runs the B prompts together in chunks, as `Generator.prefill` does for one. Greedy, EOS ignored:
-every sequence gets exactly `gen` tokens, the same tokens batch 1 gives each prompt (tested).
+and the decode steps are generation's own (runtime/steps.py), over the B prompts together. Greedy, EOS
+ignored: every sequence gets exactly `gen` tokens, the same tokens batch 1 gives each prompt (tested).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from llmopt.model.kv_cache import StaticKVCache
 from llmopt.plan.kv_cache import kv_bytes_per_token
 from llmopt.runtime.compiled import CompiledDecoder
 from llmopt.runtime.generate import _sync
+from llmopt.runtime.steps import Steps
 from llmopt.runtime.weights import LoadedModel
 
 
@@ -29,9 +30,9 @@ class LlmoptEngine:
     def __init__(self, loaded: LoadedModel, prefill_chunk: int = 512, compile: bool = False):
         self.loaded = loaded
         self.model = loaded.model
-        self.prefill_chunk = prefill_chunk
         # `generate --compile`'s fixed-shape step (one sequence), compiled when a run first builds its cache
         self.compiled = CompiledDecoder.for_model(self.model) if compile else None
+        self.steps = Steps(self.model, prefill_chunk, self.compiled)  # generation's own prefill and decode steps
         arch = self.model.arch
         self.vocab_size = arch.vocab_size
         self.context = arch.max_position_embeddings
@@ -56,19 +57,13 @@ class LlmoptEngine:
         _reset_peak(device)
         _sync(device)
         t0 = time.perf_counter()
-        h = None
-        for start in range(0, length, self.prefill_chunk):
-            h = model.hidden(ids[:, start:start + self.prefill_chunk], start, cache)
-        token = model.lm_head(h[:, -1]).argmax(-1)  # [B]
+        token = model.lm_head(self.steps.prefill(ids, cache)[:, -1]).argmax(-1)  # [B]
         tokens = [token.tolist()]  # the host reads each step's tokens, as a server streaming them would
         ttft = time.perf_counter() - t0
         steps = []
         for i in range(1, gen):
             t = time.perf_counter()
-            if self.compiled is not None:
-                token = self.compiled.decode(int(token[0]), length + i - 1).argmax(-1).view(1)
-            else:
-                token = model(token[:, None], length + i - 1, cache)[:, -1].argmax(-1)
+            token = self.steps.decode(token, length + i - 1, cache).argmax(-1)
             tokens.append(token.tolist())
             steps.append(time.perf_counter() - t)
         per_sequence = [list(seq) for seq in zip(*tokens)]

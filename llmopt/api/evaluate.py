@@ -5,7 +5,6 @@ reference, with each file's size, and can plot KL divergence against size."""
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,51 +12,49 @@ from typing import Any
 from llmopt.errors import InputError, OptionError
 from llmopt.eval.gates import NEEDS_REF, Gate, check_gates
 from llmopt.eval.pareto import Point, pareto_front, plot_kld_vs_size
-from llmopt.eval.perplexity import EvalResult, check_batch, evaluate as score, token_windows
+from llmopt.eval.perplexity import EvalResult, evaluate as score, token_windows
+from llmopt.options import EvalOptions
 from llmopt.runtime.weights import LoadedModel, load_model
 
 
-def evaluate(model: str | Path, data: str | Path, *, ref: str | Path | LoadedModel | None = None, ctx: int = 512,
-             windows: int = 40, max_ppl_increase: float | None = None, min_top1: float | None = None,
-             max_kld: float | None = None, dtype: str = "auto",
-             device: str = "auto", packed: bool = False, batch: int = 1,
-             on_window: Callable[[int, int], None] | None = None) -> tuple[EvalResult, list[Gate], dict[str, Any]]:  # fmt: skip
-    """Score `model` on the first `windows` windows of `ctx` tokens of the text file `data`.
+def evaluate(model: str | Path, data: str | Path, options: EvalOptions | None = None, *,
+             ref: str | Path | LoadedModel | None = None, device: str = "auto",
+             on_window: Callable[[int, int], None] | None = None, **kwargs: Any) -> tuple[EvalResult, list[Gate], dict[str, Any]]:  # fmt: skip
+    """Score `model` on the first `windows` windows of `ctx` tokens of the text file `data` (the
+    options: `EvalOptions`, or keywords; declared in llmopt/options.py).
     `ref` may be a model already loaded (`load`), to score several models against it.
     Returns the result, the gates (perplexity rise in %, top-1 agreement in %, KL in nats) and a
     JSON summary; the caller decides what a failed gate means (the CLI exits 1). `batch` windows
     share each forward (the same numbers up to float rounding)."""
-    check_batch(batch)
-    gates = _Gates(max_ppl_increase, min_top1, max_kld)
-    _check_gates(ref, gates)
+    o = EvalOptions.of(**{**(options.changed() if options else {}), **kwargs})
+    _check_gates(ref, o)
     text = _read(data)
-    reference = _reference(ref, dtype, device, packed)
-    return _score(load_model(str(model), dtype, device, packed), text, data, reference, ctx, windows, gates, on_window, batch)
+    reference = _reference(ref, o, device)
+    return _score(load_model(str(model), o.dtype, device, o.packed), text, data, reference, o, on_window)
 
 
-def evaluate_files(models: Sequence[str | Path], data: str | Path, *, ref: str | Path | None = None, ctx: int = 512,
-                   windows: int = 40, max_ppl_increase: float | None = None, min_top1: float | None = None,
-                   max_kld: float | None = None, dtype: str = "auto", device: str = "auto", packed: bool = False, plot: str | Path | None = None, batch: int = 1,
-                   on_window: Callable[[int, int, int], None] | None = None) -> list[tuple[EvalResult, list[Gate], dict[str, Any]]]:  # fmt: skip
+def evaluate_files(models: Sequence[str | Path], data: str | Path, options: EvalOptions | None = None, *,
+                   ref: str | Path | None = None, device: str = "auto", plot: str | Path | None = None,
+                   on_window: Callable[[int, int, int], None] | None = None,
+                   **kwargs: Any) -> list[tuple[EvalResult, list[Gate], dict[str, Any]]]:  # fmt: skip
     """`evaluate` for each of `models` against one reference (loaded once; one model in memory
     besides it), each summary with the file's size (`bytes`) and bits per weight. With `plot`, a
     PNG of KL divergence against size, the Pareto front joined. `on_window(model_index, done, total)`."""
+    o = EvalOptions.of(**{**(options.changed() if options else {}), **kwargs})
     if not models:
         raise OptionError("give at least one model to evaluate")
     if plot is not None and ref is None:
         raise OptionError("<plot> draws KL divergence against a reference: give <ref> MODEL")
-    check_batch(batch)
-    gates = _Gates(max_ppl_increase, min_top1, max_kld)
-    _check_gates(ref, gates)
+    _check_gates(ref, o)
     text = _read(data)
-    reference = _reference(ref, dtype, device, packed)
+    reference = _reference(ref, o, device)
     params = None if reference is None else _parameters(reference)
     rows = []
     for i, model in enumerate(models):
-        target = load_model(str(model), dtype, device, packed)
+        target = load_model(str(model), o.dtype, device, o.packed)
         count = params or _parameters(target)
-        result, checked, summary = _score(target, text, data, reference, ctx, windows, gates,
-                                          None if on_window is None else lambda d, t, i=i: on_window(i, d, t), batch)  # fmt: skip
+        result, checked, summary = _score(target, text, data, reference, o,
+                                          None if on_window is None else lambda d, t, i=i: on_window(i, d, t))  # fmt: skip
         summary["bytes"] = weights_nbytes(Path(target.path))
         summary["bits_per_weight"] = round(8 * summary["bytes"] / count, 3)
         rows.append((result, checked, summary))
@@ -69,7 +66,7 @@ def evaluate_files(models: Sequence[str | Path], data: str | Path, *, ref: str |
             rows[i][2]["pareto"] = True
         if plot is not None:
             plot_kld_vs_size(points, Path(plot), f"KL divergence from {Path(reference.path).name}, {Path(data).name}, "
-                                                 f"{rows[0][0].windows} x {ctx} tokens")  # fmt: skip
+                                                 f"{rows[0][0].windows} x {o.ctx} tokens")  # fmt: skip
     return rows
 
 
@@ -85,22 +82,15 @@ def _parameters(loaded: LoadedModel) -> int:
     return sum(p.numel() for p in {p.data_ptr(): p for p in loaded.model.parameters()}.values())
 
 
-@dataclass(frozen=True)
-class _Gates:
-    max_ppl_increase: float | None
-    min_top1: float | None
-    max_kld: float | None
-
-
-def _check_gates(ref: object, gates: _Gates) -> None:
+def _check_gates(ref: object, gates: EvalOptions) -> None:
     if any(v is not None for v in (gates.max_ppl_increase, gates.min_top1, gates.max_kld)) and ref is None:
         raise OptionError(NEEDS_REF)
 
 
-def _reference(ref: str | Path | LoadedModel | None, dtype: str, device: str, packed: bool) -> LoadedModel | None:
+def _reference(ref: str | Path | LoadedModel | None, o: EvalOptions, device: str) -> LoadedModel | None:
     if ref is None or isinstance(ref, LoadedModel):
         return ref
-    return load_model(str(ref), dtype, device, packed)
+    return load_model(str(ref), o.dtype, device, o.packed)
 
 
 def _read(data: str | Path) -> str:
@@ -110,11 +100,11 @@ def _read(data: str | Path) -> str:
         raise InputError(f"{data}: cannot read ({e.__class__.__name__})") from None
 
 
-def _score(target: LoadedModel, text: str, data: str | Path, reference: LoadedModel | None, ctx: int, windows: int,
-           gates: _Gates, on_window: Callable[[int, int], None] | None, batch: int = 1) -> tuple[EvalResult, list[Gate], dict[str, Any]]:  # fmt: skip
+def _score(target: LoadedModel, text: str, data: str | Path, reference: LoadedModel | None, o: EvalOptions,
+           on_window: Callable[[int, int], None] | None) -> tuple[EvalResult, list[Gate], dict[str, Any]]:  # fmt: skip
     if target.tokenizer is None:
         raise InputError(f"{target.path}: has no tokenizer, so it cannot read text")
-    chunks = token_windows(target.tokenizer.encode(text), ctx, windows)
+    chunks = token_windows(target.tokenizer.encode(text), o.ctx, o.windows)
     if reference is not None:
         sample = text[:20000]  # both tokenizers on the same text (a cut prefix ends differently from the whole)
         if reference.model.arch.vocab_size != target.model.arch.vocab_size or (
@@ -123,8 +113,8 @@ def _score(target: LoadedModel, text: str, data: str | Path, reference: LoadedMo
                               f"the same vocabulary")  # fmt: skip
     total = chunks.shape[0]
     result = score(target.model, chunks, reference.model if reference else None,
-                   on_window=None if on_window is None else lambda i: on_window(i + 1, total), batch=batch)  # fmt: skip
-    checked = check_gates(result, gates.max_ppl_increase, gates.min_top1, gates.max_kld)
+                   on_window=None if on_window is None else lambda i: on_window(i + 1, total), batch=o.batch)  # fmt: skip
+    checked = check_gates(result, o.max_ppl_increase, o.min_top1, o.max_kld)
     summary = {"model": target.path, "ref": reference.path if reference else None, "data": str(data),
                "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
                **result.to_dict(), "gates": [g.__dict__ for g in checked], "passed": all(g.passed for g in checked)}  # fmt: skip

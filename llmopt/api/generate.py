@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -9,8 +10,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from llmopt.errors import InputError, OptionError
+from llmopt.options import GenerateOptions, LoadOptions, Options
 from llmopt.runtime.chat import apply_chat_template
 from llmopt.runtime.generate import GenerationResult, Generator, Metrics
 from llmopt.runtime.sampling import SamplingConfig
@@ -20,53 +23,50 @@ from llmopt.runtime.speculative import DraftModel, PromptLookup
 from llmopt.runtime.weights import LoadedModel, load_model
 
 
-def load(model: str | Path, *, dtype: str = "auto", device: str = "auto", packed: bool = True,
-         keep_quantized: bool | None = None) -> LoadedModel:
+def load(model: str | Path, options: LoadOptions | None = None, *, device: str = "auto", **kwargs: Any) -> LoadedModel:
     """The runtime model of `model`: an HF directory (float or GPTQ), a GGUF file or a hub id.
     `dtype` auto is float32 on CPU and bfloat16 on CUDA; `packed` keeps GPTQ 4-bit layers packed and
     lets a GGUF's weights keep their quantized form on CPU (memory about the file's size;
-    runtime/gguf_linear.py): always with `keep_quantized`, never with False, and with None when
-    dequantized they would not fit (runtime.weights.keep_gguf_quantized). `packed=False` dequantizes."""
-    return load_model(str(model), dtype, device, packed, gguf_quantized=keep_quantized)
+    runtime/gguf_linear.py): always with `keep_quantized` or `compile`, otherwise when dequantized they
+    would not fit (runtime.weights.keep_gguf_quantized). `packed=False` dequantizes."""
+    o = LoadOptions.of(**_given(options, kwargs, LoadOptions))
+    return load_model(str(model), o.dtype, device, o.packed, gguf_quantized=o.gguf_quantized)
 
 
-def generate(model: str | Path | LoadedModel, prompt: str, *, max_tokens: int = 256, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-             seed: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False, chat: bool = False,
-             system: str | None = None, draft: str | Path | None = None, num_draft: int = 4, prompt_lookup: int = 0,
-             self_speculative: bool = False, skip_layers: Sequence[int] | None = None,
-             prefill_chunk: int = 512, compile: bool = False, dtype: str = "auto", device: str = "auto",
-             packed: bool = True, keep_quantized: bool | None = None,
-             on_text: Callable[[str], None] | None = None) -> GenerationResult:  # fmt: skip
-    """Continue `prompt` (wrapped in the model's chat template with `chat`). Temperature 0 is greedy;
-    `draft` (a smaller model sharing the tokenizer), `prompt_lookup` (n-gram length) or
-    `self_speculative` (the model itself with `skip_layers` skipped, searched on the prompt when not
-    given) turn on speculative decoding, whose output is exactly the plain decoder's. `on_text`
-    streams the text."""
-    sampling = check_options(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                             repetition_penalty=repetition_penalty, chat=chat, system=system, draft=draft,
-                             num_draft=num_draft, prompt_lookup=prompt_lookup, self_speculative=self_speculative,
-                             skip_layers=skip_layers, prefill_chunk=prefill_chunk, max_tokens=max_tokens,
-                             seed=seed)  # fmt: skip
-    target = model if isinstance(model, LoadedModel) else load(model, dtype=dtype, device=device, packed=packed,
-                                                               keep_quantized=keep_quantized)
+def _given(options: Options | None, kwargs: dict[str, Any], group: type[Options]) -> dict[str, Any]:
+    """The values of `group`'s options among `options` (any command's) and keyword arguments."""
+    names = {d.name for d in group.declared()}
+    return {k: v for k, v in {**(options.changed() if options else {}), **kwargs}.items() if k in names}
+
+
+def generate(model: str | Path | LoadedModel, prompt: str, options: GenerateOptions | None = None, *,
+             skip_layers: Sequence[int] | None = None, device: str = "auto",
+             on_text: Callable[[str], None] | None = None, **kwargs: Any) -> GenerationResult:  # fmt: skip
+    """Continue `prompt` (wrapped in the model's chat template with `chat`). The options
+    (`GenerateOptions`, or keywords; declared in llmopt/options.py): temperature 0 is greedy; `draft`
+    (a smaller model sharing the tokenizer), `prompt_lookup` (n-gram length) or `self_speculative`
+    (the model itself with `skip_layers` skipped, searched on the prompt when not given) turn on
+    speculative decoding, whose output is exactly the plain decoder's. `on_text` streams the text."""
+    o = GenerateOptions.of(**_given(options, kwargs, GenerateOptions))
+    sampling = check_options(o, skip_layers)
+    target = model if isinstance(model, LoadedModel) else load(model, o, device=device)
     tok = target.tokenizer
     if tok is None:
         raise OptionError(f"{target.path}: has no tokenizer, so it cannot take a text prompt")
-    ids = _encode(tok, prompt, chat, system)
-    max_tokens = _fit_context(len(ids), max_tokens, target.model.arch.max_position_embeddings)
+    ids = _encode(tok, prompt, o.chat, o.system)
+    max_tokens = _fit_context(len(ids), o.max_tokens, target.model.arch.max_position_embeddings)
     drafter, notes = None, Metrics()
-    if self_speculative or skip_layers is not None:
-        drafter = _layer_skip_drafter(target.model, ids, sampling, num_draft, skip_layers, notes)
-    elif draft:
-        d = load(draft, dtype=dtype, device=device, packed=packed, keep_quantized=keep_quantized)
+    if o.self_speculative or skip_layers is not None:
+        drafter = _layer_skip_drafter(target.model, ids, sampling, o.num_draft, skip_layers, notes)
+    elif o.draft:
+        d = load(o.draft, o, device=device)
         if d.model.arch.vocab_size != target.model.arch.vocab_size or (d.tokenizer and d.tokenizer.encode(prompt) != tok.encode(prompt)):
-            raise OptionError(f"<draft> {draft}: its tokenizer differs from the model's; a draft must share the vocabulary")
-        drafter = DraftModel(d.model, len(ids) + max_tokens + num_draft + 1, d.dtype, d.device)
-    elif prompt_lookup:
-        drafter = PromptLookup(prompt_lookup)
-    gen = Generator(target.model, tok, drafter, num_draft, prefill_chunk, compile=compile)
-    result = gen.generate(ids, max_tokens, sampling, list(stop), seed, ignore_eos, on_text)
+            raise OptionError(f"<draft> {o.draft}: its tokenizer differs from the model's; a draft must share the vocabulary")
+        drafter = DraftModel(d.model, len(ids) + max_tokens + o.num_draft + 1, d.dtype, d.device)
+    elif o.prompt_lookup:
+        drafter = PromptLookup(o.prompt_lookup)
+    gen = Generator(target.model, tok, drafter, o.num_draft, o.prefill_chunk, compile=o.compile)
+    result = gen.generate(ids, max_tokens, sampling, list(o.stop), o.seed, o.ignore_eos, on_text)
     result.metrics.skip_layers, result.metrics.skip_search_s = notes.skip_layers, notes.skip_search_s
     result.metrics.predicted_speedup = notes.predicted_speedup
     return result
@@ -155,55 +155,50 @@ def check_request(entry: object, label: str) -> dict:
     return entry
 
 
-def generate_batch(model: str | Path | LoadedModel, prompts: Sequence[str | Mapping], *, labels: Sequence[str] | None = None,
-                   max_batch: int = 16, kv_blocks: int = 0, block_size: int = 16, max_tokens: int = 256,
-                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                   repetition_penalty: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
-                   ignore_eos: bool = False, chat: bool = False, system: str | None = None, num_draft: int = 4,
-                   prompt_lookup: int = 0, prefill_chunk: int = 512, dtype: str = "auto", device: str = "auto",
-                   packed: bool = True, keep_quantized: bool | None = None) -> BatchOutput:  # fmt: skip
+def generate_batch(model: str | Path | LoadedModel, prompts: Sequence[str | Mapping],
+                   options: GenerateOptions | None = None, *, labels: Sequence[str] | None = None,
+                   device: str = "auto", **kwargs: Any) -> BatchOutput:  # fmt: skip
     """Continue many prompts at once (continuous batching over a paged KV cache with prefix sharing).
     A prompt is a string or a mapping with "prompt" and any of `REQUEST_KEYS`, which override the
-    keyword defaults for that request. `prefill_chunk` is the token budget of one forward;
+    options' sampling settings for that request. `prefill_chunk` is the token budget of one forward;
     `kv_blocks` 0 sizes the pool for the `max_batch` longest requests at once."""
-    from llmopt.runtime.batch import BatchEngine, Request, pool_blocks
+    from llmopt.runtime.batch import BatchEngine, pool_blocks
     from llmopt.runtime.paged import BlockPool
 
-    if max_batch < 1:
-        raise OptionError(f"<max_batch> must be at least 1, got {max_batch}")
-    if kv_blocks < 0 or block_size < 1:
-        raise OptionError("<kv_blocks> must be >= 0 (0 = enough for <max_batch> requests) and <block_size> >= 1")
-    defaults = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                    repetition_penalty=repetition_penalty, seed=seed, stop=list(stop), ignore_eos=ignore_eos)
-    check_options(**{k: v for k, v in defaults.items() if k not in ("stop", "ignore_eos")}, chat=chat, system=system,
-                  num_draft=num_draft, prompt_lookup=prompt_lookup, prefill_chunk=prefill_chunk)
+    o = GenerateOptions.of(**_given(options, kwargs, GenerateOptions))
+    check_options(o)
     labels = list(labels) if labels is not None else [f"prompt {i + 1}" for i in range(len(prompts))]
     entries = [check_request({"prompt": p} if isinstance(p, str) else dict(p), label) for p, label in zip(prompts, labels)]
-    target = model if isinstance(model, LoadedModel) else load(model, dtype=dtype, device=device, packed=packed,
-                                                               keep_quantized=keep_quantized)
+    target = model if isinstance(model, LoadedModel) else load(model, o, device=device)
     tok = target.tokenizer
     if tok is None:
         raise OptionError(f"{target.path}: has no tokenizer, so it cannot take a text prompt")
-    context = target.model.arch.max_position_embeddings
-    requests = []
-    for entry, label in zip(entries, labels):
-        opts = {**defaults, **{k: v for k, v in entry.items() if k in defaults}}
-        try:
-            sampling = check_options(**{k: v for k, v in opts.items() if k not in ("stop", "ignore_eos")})
-            ids = _encode(tok, entry["prompt"], chat, system)
-            opts["max_tokens"] = _fit_context(len(ids), opts["max_tokens"], context)
-        except OptionError as e:
-            raise InputError(f"{label}: {e.render()}") from None
-        stops = [opts["stop"]] if isinstance(opts["stop"], str) else opts["stop"]
-        requests.append(Request(ids, opts["max_tokens"], sampling, tuple(stops), opts["seed"], opts["ignore_eos"]))
-    lookahead = num_draft + 1 if prompt_lookup else 1
-    blocks = kv_blocks or pool_blocks([len(r.prompt_ids) + r.max_tokens + lookahead for r in requests], max_batch, block_size)
-    pool = BlockPool(target.model.arch, blocks, block_size, target.dtype, target.device)
-    engine = BatchEngine(target.model, pool, tok, max_batch=max_batch, token_budget=prefill_chunk,
-                         prompt_lookup=prompt_lookup, num_draft=num_draft)
+    requests = [_request(o, tok, entry, label, target.model.arch.max_position_embeddings) for entry, label in zip(entries, labels)]
+    lookahead = o.num_draft + 1 if o.prompt_lookup else 1
+    blocks = o.kv_blocks or pool_blocks([len(r.prompt_ids) + r.max_tokens + lookahead for r in requests], o.max_batch,
+                                        o.block_size)  # fmt: skip
+    pool = BlockPool(target.model.arch, blocks, o.block_size, target.dtype, target.device)
+    engine = BatchEngine(target.model, pool, tok, max_batch=o.max_batch, token_budget=o.prefill_chunk,
+                         prompt_lookup=o.prompt_lookup, num_draft=o.num_draft)
     t0 = time.perf_counter()
     results = engine.run(requests)
-    return BatchOutput(results, time.perf_counter() - t0, engine.forwards, engine.preemptions, blocks, block_size)
+    return BatchOutput(results, time.perf_counter() - t0, engine.forwards, engine.preemptions, blocks, o.block_size)
+
+
+def _request(o: GenerateOptions, tok, entry: dict, label: str, context: int):  # noqa: ANN001, ANN202
+    """One request of a batch: the options' sampling settings with the entry's own over them."""
+    from llmopt.runtime.batch import Request
+
+    own = {k: tuple([v] if isinstance(v, str) else v) if k == "stop" else v for k, v in entry.items()
+           if k in REQUEST_KEYS and k not in ("prompt", "id")}  # fmt: skip
+    try:
+        r = dataclasses.replace(o, **own)
+        sampling = check_options(r)
+        ids = _encode(tok, entry["prompt"], o.chat, o.system)
+        max_tokens = _fit_context(len(ids), r.max_tokens, context)
+    except OptionError as e:
+        raise InputError(f"{label}: {e.render()}") from None
+    return Request(ids, max_tokens, sampling, tuple(r.stop), r.seed, r.ignore_eos)
 
 
 def _encode(tok, prompt: str, chat: bool, system: str | None) -> list[int]:
@@ -213,27 +208,19 @@ def _encode(tok, prompt: str, chat: bool, system: str | None) -> list[int]:
     return tok.encode(prompt)
 
 
-def check_options(*, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                  repetition_penalty: float = 1.0, chat: bool = False, system: str | None = None,
-                  draft: str | Path | None = None, num_draft: int = 4, prompt_lookup: int = 0,
-                  self_speculative: bool = False, skip_layers: Sequence[int] | None = None, prefill_chunk: int = 512,
-                  max_tokens: int = 256, seed: int | None = None) -> SamplingConfig:  # fmt: skip
-    """Refuse option combinations `generate` cannot run, before any model is loaded; the sampling config."""
-    if seed is not None and not 0 <= seed < 2**64:
-        raise OptionError(f"<seed> {seed}: expected 0 to 2**64 - 1 (torch's generator seed)")
-    if draft and prompt_lookup:
+def check_options(o: GenerateOptions, skip_layers: Sequence[int] | None = None) -> SamplingConfig:
+    """Refuse option combinations `generate` cannot run, before any model is loaded; the sampling config.
+    (Each option's own range is checked where it is declared, llmopt/options.py.)"""
+    GenerateOptions.of(**o.changed())  # a request's own values (dataclasses.replace) are checked here
+    if o.draft and o.prompt_lookup:
         raise OptionError("choose one of <draft> and <prompt_lookup>")
-    if (self_speculative or skip_layers is not None) and (draft or prompt_lookup):
+    if (o.self_speculative or skip_layers is not None) and (o.draft or o.prompt_lookup):
         raise OptionError("<self_speculative> drafts with the model itself; it does not combine with <draft> or <prompt_lookup>")
     if skip_layers is not None and not skip_layers:
         raise OptionError("<skip_layers> is empty; give the layers to skip, e.g. 3,5,7")
-    if prompt_lookup < 0 or num_draft < 1 or prefill_chunk < 1:
-        raise OptionError("<prompt_lookup> must be >= 0, <num_draft> and <prefill_chunk> >= 1")
-    if max_tokens < 1:
-        raise OptionError(f"<max_tokens> must be at least 1, got {max_tokens}")
-    if system and not chat:
+    if o.system and not o.chat:
         raise OptionError("<system> needs <chat>")
-    sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty)
+    sampling = SamplingConfig(o.temperature, o.top_k, o.top_p, o.min_p, o.repetition_penalty)
     sampling.check()
     return sampling
 

@@ -29,6 +29,7 @@ from llmopt.plan.sensitivity import cache_path
 from llmopt.formats.hf import parse_size
 from llmopt.model import ModelSource, open_model
 from llmopt.quant.pipeline import BlockResult, LayerReport, QuantizeSpec, quantize_model
+from llmopt.options import CalibrationOptions, QuantizeOptions
 from llmopt.quant.spec import build_spec, check_shapes, default_sym
 
 
@@ -60,90 +61,77 @@ def layer_row(r: LayerReport) -> dict[str, Any]:
     return {"name": r.name, "shape": list(r.shape), **metrics, **details}
 
 
-def quantize(
-    model: str | Path,
-    output: str | Path,
-    *,
-    method: str = "gptq",
-    bits: int = 4,
-    group_size: int = 128,
-    sym: bool | None = None,
-    act_order: bool = False,
-    group_aware: bool | None = None,
-    static_groups: bool = False,
-    damp: float = 0.01,
-    mse: bool = False,
-    refit_scales: bool = False,
-    gptaq: float = 0.0,
-    clip: bool = True,
-    calib: str | None = None,
-    calib_field: str | None = None,
-    nsamples: int = 128,
-    seqlen: int = 512,
-    seed: int = 0,
-    calib_dtype: str = "auto",
-    fmt: str | None = None,
-    target_bpw: float | None = None,
-    sensitivity_samples: int = 32,
-    quantize_head: bool = False,
-    batch_size: int = 8,
-    max_shard_size: str = "5GB",
-    force: bool = False,
-    device: str = "auto",
-    on_block: Callable[[BlockResult, int], None] | None = None,
-    on_calibration: Callable[[int, int], None] | None = None,
-) -> QuantizeResult:
+@dataclass(frozen=True)
+class QuantizeJob:
+    """What `prepare` makes of checked options: the method's spec, the format, the calibration."""
+
+    options: QuantizeOptions
+    spec: QuantizeSpec
+    fmt: str
+    calibration: CalibConfig | None  # None for a method that reads no data (rtn)
+    shard_bytes: int
+
+
+def prepare(options: QuantizeOptions, device: torch.device) -> QuantizeJob:
+    """Every rule between `quantize`'s options, and between them and the format, checked before any
+    model is read: the API, the CLI (through it) and a recipe's preflight all call this."""
+    method, fmt = options.method_name, options.format_name
+    calibrated = method != "rtn"
+    if not calibrated and options.calib_dtype != "auto":
+        raise OptionError("<calib_dtype> applies to calibrated methods; rtn runs no calibration forward")
+    if not calibrated and options.calib is not None:
+        raise OptionError("<calib> applies to calibrated methods; rtn needs no data")
+    sym = default_sym(method) if options.sym is None else options.sym
+    spec = build_spec(options, method, sym, act_dtype=resolve_calib_dtype(options.calib_dtype, device),
+                      zero_min=zero_min(fmt, sym))  # fmt: skip
+    check_spec(spec, fmt)
+    if options.target_bpw is not None and fmt != "gptq":
+        raise OptionError(f"<target_bpw> writes per-module bits as GPTQModel's `dynamic`: it needs <fmt> gptq, not {fmt}")
+    calibration = calibration_config(options, options.nsamples) if calibrated else None
+    return QuantizeJob(options, spec, fmt, calibration, parse_size(options.max_shard_size))
+
+
+def calibration_config(options: CalibrationOptions, nsamples: int) -> CalibConfig:
+    """The calibration the options ask for, `nsamples` samples of it (the sensitivities read fewer)."""
+    return CalibConfig(options.calib or SELF, options.calib_field, nsamples, options.seqlen, options.seed)
+
+
+def quantize(model: str | Path, output: str | Path, options: QuantizeOptions | None = None, *, force: bool = False,
+             device: str = "auto", on_block: Callable[[BlockResult, int], None] | None = None,
+             on_calibration: Callable[[int, int], None] | None = None, **kwargs: Any) -> QuantizeResult:  # fmt: skip
     """Quantize `model` (an HF directory, GGUF file or hub id) and write it to `output`.
 
-    `method` is "gptq", "awq", "awq+gptq" (calibrated) or "rtn" (no data); `fmt` "gptq" or "awq"
-    (packed checkpoints that transformers, vLLM and GPTQModel load; the method's own by default) or
-    "dense" (dequantized float16). `sym=None` is the method's default (asymmetric for AWQ).
-    Calibration text is `calib` (a .txt/.jsonl/.parquet file, a preset, or "self": written by the
-    model, the default).
+    The options (`QuantizeOptions`, or the same as keywords: `method="gptq"`, `bits=4`, ...; every one
+    with its default and range in llmopt/options.py) say how: `method` "gptq", "awq", "awq+gptq"
+    (calibrated) or "rtn" (no data); `fmt` "gptq" or "awq" (packed checkpoints that transformers,
+    vLLM and GPTQModel load) or "dense" (dequantized float16). Calibration text is `calib` (a
+    .txt/.jsonl/.parquet file, a preset, or "self": written by the model, the default).
     `target_bpw` chooses each stage's (bits, group size) for the least predicted KL divergence at
-    that many bits per weight of the quantized linears (`formats/gptq_automix.py`, measured on
+    that many bits per weight of the quantized linears (`plan/gptq_automix.py`, measured on
     `sensitivity_samples` calibration samples and cached beside `output`), written as GPTQModel's
     `dynamic` overrides; `bits`/`group_size` stay the checkpoint's defaults.
     `on_block(result, blocks)` sees each block's result as it is written (`blocks`: how many there
     are, the head included); `on_calibration(done, total)` follows the generation of self-written
     samples.
     """
+    options = QuantizeOptions.of(**{**(options.changed() if options else {}), **kwargs})
     dev = resolve_device(device)
-    shard_bytes = parse_size(max_shard_size)
     check_output(Path(output), force, directory=True)
-    calibrated = method != "rtn"
-    if not calibrated and calib_dtype != "auto":
-        raise OptionError("<calib_dtype> applies to calibrated methods; rtn runs no calibration forward")
-    if not calibrated and calib is not None:
-        raise OptionError("<calib> applies to calibrated methods; rtn needs no data")
-    fmt = fmt or ("awq" if method.startswith("awq") else "gptq")
-    sym = default_sym(method) if sym is None else sym
-    spec = build_spec(method, bits, group_size, sym, act_order=act_order, static_groups=static_groups, damp=damp,
-                      mse=mse, refit_scales=refit_scales, gptaq=gptaq, group_aware=group_aware, clip=clip,
-                      quantize_head=quantize_head, batch_size=batch_size, act_dtype=resolve_calib_dtype(calib_dtype, dev),
-                      zero_min=zero_min(fmt, sym))  # fmt: skip
-    check_spec(spec, fmt)
-    if target_bpw is not None:
-        if fmt != "gptq":
-            raise OptionError(f"<target_bpw> writes per-module bits as GPTQModel's `dynamic`: it needs <fmt> gptq, not {fmt}")
-        if not 0 < target_bpw <= 16:
-            raise OptionError(f"<target_bpw> {target_bpw}: expected bits per weight in (0, 16]")
-        if sensitivity_samples < 1:
-            raise OptionError(f"<sensitivity_samples> {sensitivity_samples}: must be at least 1")
+    job = prepare(options, dev)
     start = time.perf_counter()
     with open_model(model) as source:
+        spec = job.spec
         check_shapes(source, spec)
         mix = None
-        if target_bpw is not None:
-            sens_calib = CalibConfig(calib or SELF, calib_field, sensitivity_samples, seqlen, seed)
-            mix = plan_bits(source, spec, target_bpw, sens_calib, device=dev,
-                            cache=cache_path(Path(output).expanduser().resolve()))  # fmt: skip
+        if options.target_bpw is not None:
+            mix = plan_bits(source, spec, options.target_bpw, calibration_config(options, options.sensitivity_samples),
+                            device=dev, cache=cache_path(Path(output).expanduser().resolve()))  # fmt: skip
             spec = dataclasses.replace(spec, dynamic=mix.dynamic)
-            check_spec(spec, fmt)
-        calibration = CalibConfig(calib or SELF, calib_field, nsamples, seqlen, seed) if calibrated else None
-        tokens, calib_info = calibrate(source, spec, calibration, dev, on_calibration)
-        result = QuantizeResult(Path(output), spec, fmt, calib_info, 0.0, automix=mix)
-        with CheckpointWriter(source, spec, Path(output), fmt, provenance(spec, calib_info), force, shard_bytes) as writer:
+            check_spec(spec, job.fmt)
+        tokens, calib_info = calibrate(source, spec, job.calibration, dev, on_calibration)
+        result = QuantizeResult(Path(output), spec, job.fmt, calib_info, 0.0, automix=mix)
+        with CheckpointWriter(source, spec, Path(output), job.fmt, provenance(spec, calib_info), force,
+                              job.shard_bytes) as writer:  # fmt: skip
             feed(source, spec, tokens, dev, writer, result, on_block)
             result.output = writer.finish()
     result.seconds = time.perf_counter() - start

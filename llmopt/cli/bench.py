@@ -5,38 +5,25 @@ prompt length and batch size (or a server's concurrency)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.table import Table
 
 from llmopt.cli.common import DeviceOpt, JsonOpt, VerboseOpt, emit_json, err, human_bytes, out, settings
-from llmopt.cli.generate import DTypeOpt, KeepQuantizedOpt, ThreadsOpt
+from llmopt.cli.signature import with_options
+from llmopt.options import BenchOptions
 
 
+@with_options(BenchOptions)
 def bench_command(
     ctx: typer.Context,
     model: Annotated[Optional[str], typer.Argument(help="Model to run: a .gguf file, an HF directory (float, GPTQ or AWQ) or a hub id. With --endpoint: the file or folder the server runs, for its tokenizer.", show_default=False)] = None,
-    engine: Annotated[Optional[str], typer.Option("--engine", help="llmopt (the built-in runtime) | llama.cpp (llama-cpp-python, a .gguf) (default llmopt)", show_default=False)] = None,
-    endpoint: Annotated[Optional[str], typer.Option("--endpoint", help="An OpenAI-compatible server's base URL, e.g. http://127.0.0.1:8080/v1 (streaming /completions).", show_default=False)] = None,
-    served_model: Annotated[Optional[str], typer.Option("--model", help="With --endpoint: the model name to ask for (default: the first the server lists).", show_default=False)] = None,
-    prompt_len: Annotated[str, typer.Option("--prompt-len", help="Prompt lengths in tokens, comma-separated.")] = "128",
-    gen: Annotated[int, typer.Option("--gen", help="Tokens to generate per sequence (EOS ignored in-process).")] = 128,
-    batch: Annotated[Optional[str], typer.Option("--batch", help="Batch sizes (sequences decoded in lockstep), comma-separated (default 1)", show_default=False)] = None,
-    concurrency: Annotated[Optional[str], typer.Option("--concurrency", help="With --endpoint: requests in flight, comma-separated (default 1)", show_default=False)] = None,
-    requests: Annotated[int, typer.Option("--requests", help="With --endpoint: requests per prompt length and concurrency.")] = 64,
-    time_limit: Annotated[float, typer.Option("--time-limit", help="With --endpoint: stop sending after this many seconds per sweep point.")] = 600.0,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic prompts (the same ids for every engine).")] = 0,
-    bandwidth: Annotated[Optional[str], typer.Option("--bandwidth", help="Memory bandwidth for the roofline: GB/s or a GPU name (recommend's catalog); default: measured here", show_default=False)] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of decode tokens/s and TTFT against batch size.", show_default=False)] = None,
-    threads: ThreadsOpt = 0,
-    dtype: DTypeOpt = "auto",
-    keep_quantized: KeepQuantizedOpt = False,
-    compile_step: Annotated[bool, typer.Option("--compile", help="Decode with generate --compile's step (batch 1; "
-                                               "CUDA graphs on GPU; keeps a GGUF quantized on CPU).")] = False,
     json_out: JsonOpt = False,
     device: DeviceOpt = None,
     verbose: VerboseOpt = 0,
+    **options: Any,
 ) -> None:
     """Benchmark an engine on synthetic prompts: latency percentiles, throughput, roofline, memory."""
     from llmopt.api.bench import bench  # here, not at the top: `llmopt --help` starts without torch
@@ -47,11 +34,7 @@ def bench_command(
         load = f"batch {row.batch}" if row.batch is not None else f"concurrency {row.concurrency}"
         err.print(f"prompt {row.prompt_len}, {load}: {row.decode_tok_s or 0:.1f} tok/s", highlight=False)
 
-    report = bench(model, engine=engine, endpoint=endpoint, served_model=served_model, prompt_len=prompt_len, gen=gen,
-                   batch=batch, concurrency=concurrency, requests=requests, seed=seed, dtype=dtype, device=opts.device,
-                   threads=threads, bandwidth=bandwidth, time_limit=time_limit, plot=plot,
-                   on_row=None if opts.json else on_row, keep_quantized=keep_quantized,
-                   compile=compile_step)  # fmt: skip
+    report = bench(model, BenchOptions.of(**options), device=opts.device, plot=plot, on_row=None if opts.json else on_row)
     if opts.json:
         emit_json(report.to_dict())
         return

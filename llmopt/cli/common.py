@@ -19,7 +19,6 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="auto | cpu | cuda  [default: auto]", show_default=False)]
 VerboseOpt = Annotated[int, typer.Option("-v", "--verbose", count=True, help="More detail on stderr (-vv for debug).")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace the output if it exists.")]
-ShardSizeOpt = Annotated[str, typer.Option("--max-shard-size", help="Largest safetensors shard, e.g. 5GB, 500MB.")]
 
 
 @dataclass

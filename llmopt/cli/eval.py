@@ -4,42 +4,37 @@ optionally gated; several models give one table (size, bits/weight, ...) and the
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from llmopt.cli.common import DeviceOpt, JsonOpt, VerboseOpt, emit_json, err, human_bytes, out, settings
-from llmopt.cli.generate import DTypeOpt, PackedOpt, ThreadsOpt
+from llmopt.cli.signature import option_values, with_options
+from llmopt.options import EvalOptions, ThreadsOptions
 from llmopt.errors import CheckFailed
 
 
+@with_options(EvalOptions, ThreadsOptions)
 def eval_command(
-    ctx: typer.Context,
+    context: typer.Context,
     models: Annotated[list[str], typer.Argument(help="Models to evaluate: .gguf files, HF directories (float, GPTQ or AWQ) or hub ids.", show_default=False)],
     data: Annotated[Path, typer.Option("--data", help="UTF-8 text file, e.g. wikitext-2/test.txt.")],
     ref: Annotated[Optional[str], typer.Option("--ref", help="Reference model (same tokenizer) for KL and top-1.")] = None,
-    ctx_len: Annotated[int, typer.Option("--ctx", help="Tokens per window.")] = 512,
-    windows: Annotated[int, typer.Option("--windows", help="Number of windows from the start of the text (0 = all).")] = 40,
-    max_ppl_increase: Annotated[Optional[float], typer.Option("--max-ppl-increase", help="Gate: fail if perplexity rises more than PCT % over --ref.")] = None,
-    min_top1: Annotated[Optional[float], typer.Option("--min-top1", help="Gate: fail if top-1 agreement with --ref is below PCT %.")] = None,
-    max_kld: Annotated[Optional[float], typer.Option("--max-kld", help="Gate: fail if the mean KL divergence from --ref exceeds NATS per token.")] = None,
-    batch: Annotated[int, typer.Option("--batch", help="Windows per forward pass (same numbers; faster where one window leaves the device idle).")] = 1,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="With --ref: write a PNG of KL divergence against file size (the Pareto view).", show_default=False)] = None,
-    threads: ThreadsOpt = 0,
-    packed: PackedOpt = False,
-    dtype: DTypeOpt = "auto",
     json_out: JsonOpt = False,
     device: DeviceOpt = None,
     verbose: VerboseOpt = 0,
+    **options: Any,
 ) -> None:
     """Perplexity over non-overlapping windows; with --ref, KL divergence and top-1 agreement too."""
     from llmopt.api.evaluate import evaluate_files  # here, not at the top: `llmopt --help` starts without torch
     from llmopt.runtime.weights import set_threads
 
-    opts = settings(ctx, json_out, device, verbose)
-    set_threads(threads)
+    opts = settings(context, json_out, device, verbose)
+    set_threads(ThreadsOptions.of(**option_values(options, ThreadsOptions)).threads)
+    o = EvalOptions.of(**option_values(options, EvalOptions))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   console=err, transient=True) as progress:
         task = progress.add_task("eval", total=None)
@@ -47,9 +42,7 @@ def eval_command(
         def on_window(i: int, done: int, total: int) -> None:
             progress.update(task, completed=done, total=total, description=f"eval {Path(models[i]).name}")
 
-        rows = evaluate_files(models, data, ref=ref, ctx=ctx_len, windows=windows, max_ppl_increase=max_ppl_increase,
-                              min_top1=min_top1, max_kld=max_kld, dtype=dtype, device=opts.device, packed=packed, plot=plot,
-                              batch=batch, on_window=on_window)  # fmt: skip
+        rows = evaluate_files(models, data, o, ref=ref, device=opts.device, plot=plot, on_window=on_window)
     failed = [g for _, gates, _ in rows for g in gates if not g.passed]
     if opts.json:
         emit_json(rows[0][2] if len(rows) == 1 else {"models": [s for _, _, s in rows], "plot": str(plot) if plot else None})

@@ -3,27 +3,27 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from llmopt.cli.common import DeviceOpt, ForceOpt, JsonOpt, VerboseOpt, emit_json, err, out, settings
+from llmopt.cli.signature import with_options
+from llmopt.options import ImatrixOptions
 
 
+@with_options(ImatrixOptions)
 def imatrix_command(
     ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="Source: an HF directory, a .gguf file or a hub id.")],
     calib: Annotated[str, typer.Option("--calib", help="Calibration text: .txt/.jsonl/.parquet file or a preset.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Output file (llama.cpp GGUF imatrix format).")],
-    chunks: Annotated[Optional[int], typer.Option("--chunks", help="Use at most this many chunks.")] = None,
-    ctx_size: Annotated[int, typer.Option("--ctx-size", "-c", help="Tokens per chunk (llama-imatrix's -c).")] = 512,
-    calib_field: Annotated[Optional[str], typer.Option("--calib-field", "--field", help="Text field of .jsonl/.parquet records.")] = None,
-    output_format: Annotated[str, typer.Option("--output-format", help="gguf (default) or dat (legacy).")] = "gguf",
     force: ForceOpt = False,
     json_out: JsonOpt = False,
     device: DeviceOpt = None,
     verbose: VerboseOpt = 0,
+    **options: Any,
 ) -> None:
     """Compute the mean of x² per input channel of every block linear over calibration text."""
     from llmopt.api.imatrix import imatrix
@@ -32,8 +32,7 @@ def imatrix_command(
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True) as progress:  # fmt: skip
         task = progress.add_task("imatrix", total=None)
-        summary = imatrix(model, calib, output, chunks=chunks, ctx_size=ctx_size, calib_field=calib_field,
-                          output_format=output_format, force=force, device=opts.device,
+        summary = imatrix(model, calib, output, ImatrixOptions.of(**options), force=force, device=opts.device,
                           on_layer=lambda done, total: progress.update(task, completed=done, total=total))  # fmt: skip
     if opts.json:
         emit_json(summary)

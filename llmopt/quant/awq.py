@@ -40,18 +40,19 @@ from llmopt.model.families.base import Stage
 from llmopt.quant.gptq import GPTQ, GPTQConfig
 from llmopt.quant.grids import Grid, IntGrid
 from llmopt.quant.method import BlockAccess, BlockChanges, Collector, Quantized
+from llmopt.options import QuantizeOptions
 
 
 @dataclass(frozen=True)
 class AWQConfig:
-    bits: int = 4
-    group_size: int = 128
+    bits: int = QuantizeOptions.bits
+    group_size: int = QuantizeOptions.group_size
     sym: bool = False  # AWQ checkpoints carry a zero point per group
-    mse: bool = False  # the grid's own min/max clipping search (AWQ clips by itself: `clip`)
+    mse: bool = QuantizeOptions.mse  # the grid's own min/max clipping search (AWQ clips by itself: `clip`)
     zero_min: int = 0
     n_grid: int = 20  # α candidates in [0, 1)
     duo_scaling: bool = True  # s from activations and weights; False: activations only
-    clip: bool = True
+    clip: bool = QuantizeOptions.clip
     clip_grid: int = 20
     max_shrink: float = 0.5  # clip candidates: max |w| × (1 - i/clip_grid) for i < max_shrink·clip_grid
     gptq: GPTQConfig | None = None  # awq+gptq: GPTQ's error feedback after AWQ's scales and clips

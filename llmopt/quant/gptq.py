@@ -46,6 +46,7 @@ from llmopt.errors import OptionError
 from llmopt.quant.grids import Grid, IntGrid
 from llmopt.quant.grids.integer import IntParams
 from llmopt.quant.method import Collector, Quantized
+from llmopt.options import QuantizeOptions
 from llmopt.quantized_tensor import QuantizedTensor
 
 log = logging.getLogger(__name__)
@@ -54,18 +55,18 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class GPTQConfig:
     name: ClassVar[str] = "gptq"
-    bits: int = 4
-    group_size: int = 128  # > 0 per group, -1 per output channel
+    bits: int = QuantizeOptions.bits
+    group_size: int = QuantizeOptions.group_size  # > 0 per group, -1 per output channel
     sym: bool = True
-    act_order: bool = False
-    static_groups: bool = False
-    damp: float = 0.01  # fraction of the mean Hessian diagonal added to the diagonal
+    act_order: bool = QuantizeOptions.act_order
+    static_groups: bool = QuantizeOptions.static_groups
+    damp: float = QuantizeOptions.damp  # fraction of the mean Hessian diagonal added to the diagonal
     damp_step: float = 0.01  # added to `damp` each time Cholesky fails
     block_size: int = 128
-    mse: bool = False  # clipping search when choosing group parameters
+    mse: bool = QuantizeOptions.mse  # clipping search when choosing group parameters
     mse_weighted: bool = True  # weight the clipping search's column errors by diag H (activation energy)
-    refit_scales: bool = False  # re-solve the scales for the final codes (least squares, see above)
-    fp_target: float = 0.0  # GPTAQ's α: > 0 pulls the layer toward the full-precision model's output
+    refit_scales: bool = QuantizeOptions.refit_scales  # re-solve the scales for the final codes (least squares, see above)
+    fp_target: float = QuantizeOptions.gptaq  # GPTAQ's α: > 0 pulls the layer toward the full-precision model's output
     group_aware: bool = False  # act-order within contiguous groups (see above)
     zero_min: int = 0  # 1 for GPTQ v1 checkpoints (see grids/integer.py)
 

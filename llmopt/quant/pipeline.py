@@ -44,6 +44,7 @@ from llmopt.quant.method import BlockAccess, Collector, Method, MethodConfig, Qu
 from llmopt.quant.metrics import weight_error
 from llmopt.quant.rtn import RTN, RTNConfig
 from llmopt.quant.staged import StagedForward
+from llmopt.options import QuantizeOptions
 from llmopt.quantized_tensor import QuantizedTensor
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,8 @@ class QuantizeSpec:
     """What to quantize and how: a method config (RTNConfig, GPTQConfig), and where its rounding goes."""
 
     method: MethodConfig
-    quantize_head: bool = False
-    batch_size: int = 8  # calibration samples per forward chunk
+    quantize_head: bool = QuantizeOptions.quantize_head
+    batch_size: int = QuantizeOptions.batch_size  # calibration samples per forward chunk
     act_dtype: torch.dtype = torch.float32  # the calibration forward's products; statistics stay float32
     grids: Callable[[str], Grid] | None = None  # the grid of each module (HF name); default: the method's own
     # Per-module (bits, group_size) on the method's integer grid (GPTQModel's `dynamic`): the automatic mix.

@@ -12,16 +12,17 @@ import torch
 
 from llmopt.quant.grids import Grid, IntGrid
 from llmopt.quant.method import Collector, Quantized
+from llmopt.options import QuantizeOptions
 from llmopt.quantized_tensor import QuantizedTensor
 
 
 @dataclass(frozen=True)
 class RTNConfig:
     name: ClassVar[str] = "rtn"
-    bits: int = 4
-    group_size: int = 128  # > 0 per group, -1 per output channel, 0 one scale for the whole tensor
+    bits: int = QuantizeOptions.bits
+    group_size: int = QuantizeOptions.group_size  # > 0 per group, -1 per output channel, 0 one scale for the whole tensor
     sym: bool = True
-    mse: bool = False  # clipping search per group
+    mse: bool = QuantizeOptions.mse  # clipping search per group
     zero_min: int = 0  # 1 for GPTQ v1 checkpoints (see grids/integer.py)
 
     def grid(self) -> IntGrid:

@@ -46,7 +46,7 @@ def test_dry_run_table(llmopt_here, wide_hf: Path) -> None:  # noqa: F811
     (["--type", "Q4_K_M", "--output-tensor-type", "Q8_1", "--dry-run"], "llmopt does not write Q8_1"),
     (["--type", "Q4_K_M"], "--output"),
     (["--type", "Q4_K_M", "--imatrix", "/nonexistent/im.gguf", "--dry-run"], "no such file"),
-    (["--type", "Q4_K_M", "--method", "rtn", "-o", "/tmp/never.gguf"], "GGUF files take gptq, awq or awq+gptq"),
+    (["--type", "Q4_K_M", "--method", "rtn", "-o", "/tmp/never.gguf"], "is not one of 'gptq', 'awq', 'awq+gptq'"),
     (["--type", "F16", "--method", "gptq", "-o", "/tmp/never.gguf"], "rounds onto quantized types; F16 has none"),
     (["--type", "Q4_K_M", "--method", "gptq", "--act-order", "-o", "/tmp/never.gguf", "--nsamples", "2",
       "--seqlen", "16"], "--act-order onto Q4_K needs --static-groups"),

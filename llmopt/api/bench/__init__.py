@@ -18,6 +18,7 @@ from typing import Any
 
 from llmopt.api.bench.stats import distribution, int_list
 from llmopt.errors import InputError, OptionError
+from llmopt.options import BenchOptions
 
 ENGINES = ("llmopt", "llama.cpp")
 MAX_BATCH = 4096
@@ -70,60 +71,29 @@ class BenchReport:
         return d
 
 
-def bench(model: str | Path | None = None, *, engine: str | None = None, endpoint: str | None = None,
-          served_model: str | None = None, prompt_len: str | Sequence[int] = (128,), gen: int = 128,
-          batch: str | Sequence[int] | None = None, concurrency: str | Sequence[int] | None = None,
-          requests: int = 64, seed: int = 0, dtype: str = "auto", device: str = "auto", threads: int = 0,
-          bandwidth: str | float | None = None, time_limit: float = 600.0, warmup: bool = True,
-          plot: str | Path | None = None, on_row: Callable[[BenchRow], None] | None = None,
-          keep_quantized: bool = False, compile: bool = False) -> BenchReport:  # fmt: skip
+def bench(model: str | Path | None = None, options: BenchOptions | None = None, *, device: str = "auto",
+          warmup: bool = True, plot: str | Path | None = None, on_row: Callable[[BenchRow], None] | None = None,
+          **kwargs: Any) -> BenchReport:  # fmt: skip
     """Benchmark `model` with `engine` (llmopt or llama.cpp) over every prompt length x batch size,
     or the server at `endpoint` over every prompt length x concurrency (`requests` requests each,
-    `model` or `served_model`, when a path, giving the tokenizer). `bandwidth`: GB/s or a catalog
-    GPU name; measured on the device when omitted. With `plot`, a PNG of the sweep. `keep_quantized`: the
-    llmopt engine keeps a GGUF's weights quantized on CPU even where dequantized they would fit. `compile`:
-    it decodes with `generate --compile`'s step (batch 1; it keeps a GGUF quantized on CPU, as there)."""
-    lengths = int_list(prompt_len, "prompt_len")
-    if not 1 <= gen <= 1 << 20:
-        raise OptionError(f"<gen> {gen}: must be between 1 and {1 << 20}")
-    if seed < 0:
-        raise OptionError(f"<seed> {seed}: must be >= 0")
-    if not time_limit > 0:
-        raise OptionError(f"<time_limit> {time_limit}: must be > 0 seconds")
+    `model` or `served_model`, when a path, giving the tokenizer). The options (`BenchOptions`, or
+    keywords; declared in llmopt/options.py): `bandwidth`: GB/s or a catalog GPU name; measured on the
+    device when omitted. `keep_quantized`: the llmopt engine keeps a GGUF's weights quantized on CPU
+    even where dequantized they would fit. `compile`: it decodes with `generate --compile`'s step
+    (batch 1; it keeps a GGUF quantized on CPU, as there). With `plot`, a PNG of the sweep."""
+    o = BenchOptions.of(**{**(options.changed() if options else {}), **kwargs})
+    lengths = int_list(o.prompt_len, "prompt_len")
     if plot is not None:
         from llmopt.eval.plotting import require_matplotlib
 
         require_matplotlib()
-    for flag, given in (("keep_quantized", keep_quantized), ("compile", compile)):
-        if given and (endpoint is not None or engine not in (None, "llmopt")):
+    for flag, given in (("keep_quantized", o.keep_quantized), ("compile", o.compile)):
+        if given and (o.endpoint is not None or o.engine not in (None, "llmopt")):
             raise OptionError(f"<{flag}> is for the llmopt engine, which holds the weights itself")
-    if endpoint is not None:
-        if engine is not None:
-            raise OptionError("choose one of <engine> and <endpoint>")
-        if batch is not None:
-            raise OptionError("<batch> is for in-process engines; a server's load is <concurrency>")
-        if not 1 <= requests <= MAX_REQUESTS:
-            raise OptionError(f"<requests> {requests}: must be between 1 and {MAX_REQUESTS}")
-        report = _bench_endpoint(endpoint, model, served_model, lengths, gen,
-                                 int_list(concurrency or (1,), "concurrency", high=MAX_CONCURRENCY), requests, seed,
-                                 time_limit, warmup, on_row)  # fmt: skip
+    if o.endpoint is not None:
+        report = _bench_endpoint_checked(model, o, lengths, warmup, on_row)
     else:
-        engine = engine or "llmopt"
-        if engine not in ENGINES:
-            raise OptionError(f"<engine> {engine!r}: choose one of {', '.join(ENGINES)} (or give <endpoint> URL)")
-        if concurrency is not None:
-            raise OptionError("<concurrency> is for <endpoint>; in-process engines sweep <batch>")
-        if model is None:
-            raise OptionError("give the MODEL to benchmark (or <endpoint> URL)")
-        batches = int_list(batch or (1,), "batch", high=MAX_BATCH)
-        if compile and batches != [1]:
-            raise OptionError("<compile> decodes one sequence: leave <batch> at 1")
-        if bandwidth is not None:  # a given number or GPU name is checked before the model loads
-            from llmopt.api.bench.bandwidth import resolve_bandwidth
-
-            resolve_bandwidth(bandwidth, "cpu")
-        report = _bench_in_process(str(model), engine, lengths, gen, batches, seed, dtype, device, threads, bandwidth,
-                                   warmup, on_row, keep_quantized, compile)  # fmt: skip
+        report = _bench_in_process_checked(model, o, lengths, device, warmup, on_row)
     if plot is not None:
         from llmopt.api.bench.plot import plot_report
 
@@ -131,10 +101,43 @@ def bench(model: str | Path | None = None, *, engine: str | None = None, endpoin
     return report
 
 
+def _bench_endpoint_checked(model: str | Path | None, o: BenchOptions, lengths: list[int], warmup: bool,
+                            on_row: Callable[[BenchRow], None] | None) -> BenchReport:  # fmt: skip
+    if o.engine is not None:
+        raise OptionError("choose one of <engine> and <endpoint>")
+    if o.batch is not None:
+        raise OptionError("<batch> is for in-process engines; a server's load is <concurrency>")
+    if not 1 <= o.requests <= MAX_REQUESTS:
+        raise OptionError(f"<requests> {o.requests}: must be between 1 and {MAX_REQUESTS}")
+    return _bench_endpoint(o.endpoint, model, o.served_model, lengths, o.gen,
+                           int_list(o.concurrency or (1,), "concurrency", high=MAX_CONCURRENCY), o.requests, o.seed,
+                           o.time_limit, warmup, on_row)  # fmt: skip
+
+
+def _bench_in_process_checked(model: str | Path | None, o: BenchOptions, lengths: list[int], device: str, warmup: bool,
+                              on_row: Callable[[BenchRow], None] | None) -> BenchReport:  # fmt: skip
+    engine = o.engine or "llmopt"
+    if engine not in ENGINES:
+        raise OptionError(f"<engine> {engine!r}: choose one of {', '.join(ENGINES)} (or give <endpoint> URL)")
+    if o.concurrency is not None:
+        raise OptionError("<concurrency> is for <endpoint>; in-process engines sweep <batch>")
+    if model is None:
+        raise OptionError("give the MODEL to benchmark (or <endpoint> URL)")
+    batches = int_list(o.batch or (1,), "batch", high=MAX_BATCH)
+    if o.compile and batches != [1]:
+        raise OptionError("<compile> decodes one sequence: leave <batch> at 1")
+    if o.bandwidth is not None:  # a given number or GPU name is checked before the model loads
+        from llmopt.api.bench.bandwidth import resolve_bandwidth
+
+        resolve_bandwidth(o.bandwidth, "cpu")
+    return _bench_in_process(str(model), engine, lengths, o.gen, batches, o.seed, o.dtype, device, o.threads, o.bandwidth,
+                             warmup, on_row, o.keep_quantized, o.compile)  # fmt: skip
+
+
 def _bench_in_process(model: str, engine_name: str, lengths: list[int], gen: int, batches: list[int], seed: int,
                       dtype: str, device: str, threads: int, bandwidth: str | float | None, warmup: bool,
                       on_row: Callable[[BenchRow], None] | None,
-                      keep_quantized: bool = False, compile: bool = False) -> BenchReport:  # fmt: skip
+                      keep_quantized: bool, compile: bool) -> BenchReport:  # fmt: skip
     from llmopt.api.bench.bandwidth import resolve_bandwidth
     from llmopt.api.bench.prompts import synthetic_prompts
 
@@ -179,8 +182,8 @@ def trace_row(engine: Any, trace: Any, length: int, gen: int, bandwidth_gbs: flo
     return row
 
 
-def _make_engine(model: str, name: str, dtype: str, device: str, threads: int, keep_quantized: bool = False,
-                 compile: bool = False) -> Any:  # fmt: skip
+def _make_engine(model: str, name: str, dtype: str, device: str, threads: int, keep_quantized: bool,
+                 compile: bool) -> Any:  # fmt: skip
     if name == "llama.cpp":
         from llmopt.api.bench.llama_cpp_engine import LlamaCppEngine
 

@@ -18,14 +18,7 @@ from pydantic import BaseModel, ValidationError
 from llmopt.calibration.text import PRESETS, SELF
 from llmopt.errors import InputError, OptionError
 from llmopt.model.hub import looks_like_hub_id
-from llmopt.api.recipe.schema import OUTPUT_KINDS, OUTPUT_NAME, GgufOutput, Output, Recipe
-
-# The library's field names that a recipe spells otherwise (the rest are the same words).
-RECIPE_KEYS = {"mix": "type", "tensor_types": "tensor_type", "fmt": "format", "calib": "calibration.data",
-               "calib_field": "calibration.field", "nsamples": "calibration.nsamples",
-               "seqlen": "calibration.seqlen", "seed": "calibration.seed", "calib_dtype": "calibration.dtype",
-               "ctx_size": "imatrix.ctx_size", "chunks": "imatrix.chunks", "force": "--force"}  # fmt: skip
-
+from llmopt.api.recipe.schema import OUTPUT_KINDS, OUTPUT_NAME, RECIPE_KEYS, GgufOutput, Output, Recipe
 
 class RecipeError(InputError):
     """A recipe that cannot run: one line, `file:line:col: where: what`."""
@@ -136,7 +129,7 @@ def _check_paths(r: LoadedRecipe) -> None:
     model = r.recipe.model
     if not r.resolve(model).exists() and not looks_like_hub_id(model):
         raise r.error(["model"], f"`model` {model}: no such file or directory (nor a hub id like org/name)")
-    data = r.recipe.calibration.data
+    data = r.recipe.calibration.data or SELF
     if data != SELF and data not in PRESETS and not r.resolve(data).is_file():
         raise r.error(["calibration", "data"], f"`calibration.data` {data}: no such file (presets: {', '.join(PRESETS)}, or self)")
     if r.recipe.eval is not None and not r.resolve(r.recipe.eval.data).is_file():

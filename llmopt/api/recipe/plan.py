@@ -17,20 +17,23 @@ from pathlib import Path
 from typing import Any
 
 import llmopt
-from llmopt.api.convert import parse_overrides, plan_gguf_file
+import torch
+
+from llmopt.api.convert import plan_gguf_file, prepare_gguf
+from llmopt.api.quantize import prepare
 from llmopt.calibration.text import PRESETS, SELF
 from llmopt.errors import InputError, OptionError
-from llmopt.formats.checkpoint import check_spec, zero_min
 from llmopt.formats.hf import parse_size
 from llmopt.model import ModelSource, open_model
 from llmopt.model.arch import ArchSpec
 from llmopt.model.hub import looks_like_hub_id, resolve_hub_id
 from llmopt.plan.arch_tensors import arch_tensors
 from llmopt.plan.weights import awq_format, gptq_format, packed_weight_size
-from llmopt.quant.spec import build_spec, check_shapes, default_sym
+from llmopt.options import CalibrationOptions
+from llmopt.quant.spec import check_shapes
 from llmopt.api.recipe.fingerprint import HashCache, canonical_sha256
 from llmopt.api.recipe.load import LoadedRecipe, RecipeError
-from llmopt.api.recipe.schema import CheckpointOutput, GgufOutput, HfOutput, Output
+from llmopt.api.recipe.schema import CheckpointOutput, GgufOutput, HfOutput, Output, as_options
 
 STATE = ".llmopt-run"  # per-output records of finished work, inside the output folder
 _QUANT_SUFFIX = re.compile(r"[.-](f16|bf16|f32|q\d[\w]*|iq\d[\w]*)$", re.IGNORECASE)
@@ -73,14 +76,19 @@ class RunPlan:
         return self.out_dir / STATE
 
     def calibration(self) -> dict[str, Any]:
+        """What the manifest records about the calibration."""
         c = self.recipe.recipe.calibration
-        return {"data": c.data, "sha256": self.calib_sha256, "field": c.field, "nsamples": c.nsamples,
+        return {"data": c.data or SELF, "sha256": self.calib_sha256, "field": c.field, "nsamples": c.nsamples,
                 "seqlen": c.seqlen, "seed": c.seed, "dtype": c.dtype}  # fmt: skip
 
     def calib_data(self) -> str:
         """calibration.data as the library takes it (a resolved path, a preset or "self")."""
-        data = self.recipe.recipe.calibration.data
+        data = self.recipe.recipe.calibration.data or SELF
         return data if data in (SELF, *PRESETS) and not self.recipe.resolve(data).is_file() else str(self.recipe.resolve(data))
+
+    def calibration_options(self) -> dict[str, Any]:
+        """The recipe's `calibration:` section as the API's keywords (`calib` resolved)."""
+        return {**as_options(self.recipe.recipe.calibration, CalibrationOptions).values(), "calib": self.calib_data()}
 
 
 def plan_run(recipe: LoadedRecipe, only: list[str] | None = None, out_dir: Path | None = None,
@@ -136,7 +144,7 @@ def _local_source(recipe: LoadedRecipe) -> Path:
 
 
 def _calib_sha256(recipe: LoadedRecipe, hashes: HashCache) -> str:
-    data = recipe.recipe.calibration.data
+    data = recipe.recipe.calibration.data or SELF
     path = recipe.resolve(data)
     if path.is_file():
         return hashes.sha256(path)
@@ -162,38 +170,24 @@ def _imatrix_file_sha(plan: RunPlan, o: OutputPlan) -> str | None:
 
 
 def _preflight(plan: RunPlan, o: OutputPlan, source: ModelSource) -> int | None:
-    """The library's checks of `o`'s options (errors located in the recipe); the predicted size."""
-    s, arch = o.spec, source.arch
+    """The commands' own checks of `o`'s options (`prepare`; errors located in the recipe); the predicted size."""
+    s, arch, cpu = o.spec, source.arch, torch.device("cpu")
     try:
         if isinstance(s, GgufOutput):
-            parse_overrides(s.tensor_types())
-            if s.target_size is not None or s.target_bpw is not None:
-                if s.target_size is not None and s.target_bpw is not None:
-                    raise OptionError("<target_size> and <target_bpw> are two ways to say one thing: give one")
-                if isinstance(s.target_size, str):
-                    return parse_size(s.target_size, "target_size")
-                return s.target_size
-            file_plan, _ = plan_gguf_file(plan.source, s.type, tensor_types=s.tensor_types(),
-                                          output_tensor_type=s.output_tensor_type)  # fmt: skip
+            job = prepare_gguf(s.options(plan.calibration_options()), cpu)
+            if job.target is not None:
+                return job.target.size
+            file_plan, _ = plan_gguf_file(plan.source, options=job.options)
             return file_plan.file_nbytes
-        parse_size(s.max_shard_size)
         if isinstance(s, HfOutput):
+            parse_size(s.max_shard_size)
             return _dense_bytes(arch, 4 if s.dtype == "float32" else 2)
         assert isinstance(s, CheckpointOutput)
-        method = s.method_name()
-        sym = default_sym(method) if s.sym is None else s.sym
-        fmt = s.format
-        spec = build_spec(method, s.bits, s.group_size, sym, act_order=s.act_order, static_groups=s.static_groups,
-                          damp=s.damp, mse=s.mse, refit_scales=s.refit_scales, gptaq=s.gptaq,
-                          group_aware=s.group_aware, clip=s.clip, quantize_head=s.quantize_head,
-                          batch_size=s.batch_size, zero_min=zero_min(fmt, sym))  # fmt: skip
-        check_spec(spec, fmt)
-        if s.target_bpw is not None and fmt != "gptq":
-            raise OptionError(f"<target_bpw> writes per-module bits as GPTQModel's `dynamic`: it needs <fmt> gptq, not {fmt}")
-        check_shapes(source, spec)
-        if fmt == "dense" or s.target_bpw is not None:
-            return _dense_bytes(arch, 2) if fmt == "dense" else None
-        shape = gptq_format if fmt == "gptq" else awq_format
+        quant = prepare(s.options(plan.calibration_options()), cpu)
+        check_shapes(source, quant.spec)
+        if quant.fmt == "dense" or s.target_bpw is not None:
+            return _dense_bytes(arch, 2) if quant.fmt == "dense" else None
+        shape = gptq_format if quant.fmt == "gptq" else awq_format
         return packed_weight_size(arch_tensors(arch), shape(s.bits, s.group_size)).total_bytes
     except OptionError as e:
         raise plan.recipe.option_error(o.name, e) from None

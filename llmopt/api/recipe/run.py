@@ -166,30 +166,17 @@ def _run_output(plan: RunPlan, o: OutputPlan, force: bool, device: str, emit: Ev
 
 
 def _build(plan: RunPlan, o: OutputPlan, device: str) -> None:
-    s, r = o.spec, plan.recipe.recipe
-    c = r.calibration
-    calib = dict(calib=plan.calib_data(), calib_field=c.field, nsamples=c.nsamples, seqlen=c.seqlen, seed=c.seed,
-                 calib_dtype=c.dtype)  # fmt: skip
+    s = o.spec
     if isinstance(s, GgufOutput):
         imatrix = plan.imatrix if s.imatrix is True else plan.recipe.resolve(s.imatrix) if isinstance(s.imatrix, str) else None
-        convert_to_gguf(plan.model_path, o.target, s.type, imatrix=imatrix, tensor_types=s.tensor_types(),
-                        output_tensor_type=s.output_tensor_type, force=True,
-                        command=f"llmopt run {plan.recipe.path.name} --only {o.name}", name=plan.model_name,
-                        imatrix_name=None if imatrix is None else imatrix.name, method=s.method,
-                        target_size=s.target_size, target_bpw=s.target_bpw, sensitivity_samples=s.sensitivity_samples,
-                        damp=s.damp, act_order=s.act_order, static_groups=s.static_groups, group_aware=s.group_aware,
-                        gptaq=s.gptaq, clip=s.clip, batch_size=s.batch_size, device=device,
-                        **(calib if s.calibrated else {}))  # fmt: skip
+        convert_to_gguf(plan.model_path, o.target, force=True, command=f"llmopt run {plan.recipe.path.name} --only {o.name}",
+                        name=plan.model_name, imatrix_name=None if imatrix is None else imatrix.name, device=device,
+                        options=s.options(plan.calibration_options(), imatrix))  # fmt: skip
     elif isinstance(s, CheckpointOutput):
-        quantize(plan.model_path, o.target, method=s.method_name(), bits=s.bits, group_size=s.group_size, sym=s.sym,
-                 act_order=s.act_order, group_aware=s.group_aware, static_groups=s.static_groups, damp=s.damp,
-                 mse=s.mse, refit_scales=s.refit_scales, gptaq=s.gptaq, clip=s.clip, fmt=s.format,
-                 target_bpw=s.target_bpw, sensitivity_samples=s.sensitivity_samples, quantize_head=s.quantize_head,
-                 batch_size=s.batch_size, max_shard_size=s.max_shard_size, force=True, device=device,
-                 **(calib if s.calibrated else {}))  # fmt: skip
+        quantize(plan.model_path, o.target, s.options(plan.calibration_options()), force=True, device=device)
     else:
         assert isinstance(s, HfOutput)
-        convert_to_hf(plan.model_path, o.target, dtype=s.dtype, max_shard_size=s.max_shard_size, force=True)
+        convert_to_hf(plan.model_path, o.target, s.options(), force=True)
 
 
 def _describe(plan: RunPlan, o: OutputPlan) -> dict[str, Any]:

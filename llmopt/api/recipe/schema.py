@@ -1,21 +1,29 @@
-"""A recipe's typed shape: pydantic models whose fields are the API's keyword arguments.
+"""A recipe's typed shape: pydantic models built from the commands' option declarations.
 
 Every key a recipe output takes is an option of the command that makes it (`convert --to gguf`,
-`quantize`, `convert --to hf`) under the same name as the Python API's keyword (`group_size`,
-`tensor_type`, ...). Values are checked here for type and range; the rules about which options go
-together stay where they are (quant/spec.py, formats/...) and run in `recipe/plan.py`'s preflight.
+`quantize`, `convert --to hf`), declared once in llmopt/options.py with its default, range and help;
+this module builds the pydantic models from those declarations (`_fields`), under the API's keyword
+or the recipe's own name for it (`type`, `tensor_type`, `calibration.data`). Values are checked here
+for type and range; the rules about which options go together are each command's `prepare`, which
+`recipe/plan.py`'s preflight calls. What only a recipe has (`format`, `path`, `gates`, an output's
+`imatrix: true`, `eval`) is declared here.
 """
 
 from __future__ import annotations
 
 import re
+import types
+import typing
+from collections.abc import Collection
+from pathlib import Path
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
-from llmopt.calibration.text import SELF
 from llmopt.formats.gguf.mixes import MIXES
-from llmopt.names import FLOAT_DTYPES, METHODS
+from llmopt.names import CHECKPOINT_FORMATS
+from llmopt.options import (O, CalibrationOptions, Declared, EvalOptions, GgufOptions, HfOptions, ImatrixOptions,
+                            Options, QuantizeOptions)
 
 OUTPUT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # a folder name on every system
 
@@ -62,116 +70,138 @@ class Gates(_Strict):
         return any(v is not None for v in (self.max_ppl_increase, self.max_kld, self.min_top1))
 
 
+def _recipe_type(d: Declared) -> Any:
+    """A declared option's type as a recipe (YAML) gives it: choices as a Literal, paths as text."""
+    args = typing.get_args(d.type) if isinstance(d.type, types.UnionType) else (d.type,)
+    optional = type(None) in args
+    base: Any = d.type
+    if d.spec.choices is not None:
+        base = Literal[d.spec.choices]  # type: ignore[valid-type]
+    elif typing.get_origin(args[0]) is tuple:
+        base = list[str]
+    return base | None if optional and d.spec.choices is not None else base
+
+
+def _fields(group: type[Options], skip: Collection[str] = (), **defaults: Any) -> dict[str, Any]:
+    """The pydantic fields of a recipe section from the options' one declaration (api keyword ->
+    recipe key, type, default, range, help); `defaults` are where a recipe's default says
+    "follow another setting" (None) instead of the command's."""
+    fields = {}
+    for d in group.declared():
+        if d.name in skip:
+            continue
+        s = d.spec
+        default = defaults.get(d.name, list(d.default) if isinstance(d.default, tuple) else d.default)
+        annotation = _recipe_type(d) if d.name not in defaults else _recipe_type(d) | None
+        fields[s.recipe or d.name] = (annotation, Field(default, ge=s.ge, gt=s.gt, le=s.le, lt=s.lt, description=s.help))
+    return fields
+
+
+def as_options(model: BaseModel, group: type[O], skip: Collection[str] = (), **given: Any) -> O:
+    """A recipe section back as the API's options (recipe keys -> keywords)."""
+    values = {d.name: getattr(model, d.spec.recipe or d.name) for d in group.declared()
+              if d.name not in skip and (d.spec.recipe or d.name) in type(model).model_fields}  # fmt: skip
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    return group.of(**{**values, **given})
+
+
+CALIBRATION = {d.name for d in CalibrationOptions.declared()}  # a recipe's `calibration:` section, shared by its outputs
+
+
 class _Output(_Strict):
     path: str | None = None  # file or folder name inside the output's folder (default: <name>.<ext>)
     gates: Gates = Gates()
 
 
-class _Calibrated(_Output):
-    """Options of the calibrated methods (`quantize` and `convert --method` share them)."""
-
-    damp: float = Field(0.01, ge=0, lt=1)
-    act_order: bool = False
-    static_groups: bool = False
-    group_aware: bool | None = None
-    gptaq: float = Field(0.0, ge=0, le=1)
-    clip: bool = True
-    batch_size: int = Field(8, ge=1, le=4096)
-    target_bpw: float | None = Field(None, gt=0, le=32)
-    sensitivity_samples: int = Field(32, ge=1, le=100_000)
-
-
-class GgufOutput(_Calibrated):
+class _Gguf(_Output):
     """`llmopt convert MODEL --to gguf`: a llama.cpp type or mix, llama.cpp's or a calibrated rounding."""
 
     format: Literal["gguf"]
-    type: str = "Q4_K_M"
     imatrix: bool | str = False  # true: the recipe's shared importance matrix; a string: that file
-    method: Literal["gptq", "awq", "awq+gptq"] | None = None
-    tensor_type: list[str] | dict[str, str] = []  # REGEX=TYPE as llama-quantize, or {REGEX: TYPE}
-    output_tensor_type: str | None = None
-    target_size: str | int | None = None
 
-    @field_validator("type")
+    @field_validator("type", check_fields=False)
     @classmethod
-    def _mix(cls, v: str) -> str:
-        if v.upper() not in MIXES:
+    def _mix(cls, v: str | None) -> str | None:
+        if v is not None and v.upper() not in MIXES:
             raise ValueError(f"unknown GGUF type {v!r}; choose one of {', '.join(MIXES)}")
-        return v.upper()
-
-    def tensor_types(self) -> list[str]:
-        if isinstance(self.tensor_type, dict):
-            return [f"{k}={v}" for k, v in self.tensor_type.items()]
-        return list(self.tensor_type)
+        return None if v is None else v.upper()
 
     @property
     def calibrated(self) -> bool:
         """Does it read the calibration samples (a method, or the automatic mix's sensitivities)?"""
-        return self.method is not None or self.target_size is not None or self.target_bpw is not None
+        return self.method is not None or self.target_size is not None or self.target_bpw is not None  # type: ignore[attr-defined]
+
+    def options(self, calibration: dict[str, Any], imatrix: Path | None = None) -> GgufOptions:
+        """The API's options: this output's, the recipe's `calibration` (the API's keywords; used when
+        the output reads samples) and `imatrix` (the file it reads, if any)."""
+        calib = calibration if self.calibrated else {}
+        return as_options(self, GgufOptions, skip={"imatrix"} | CALIBRATION, imatrix=imatrix, **calib)
 
 
-class CheckpointOutput(_Calibrated):
+class _Checkpoint(_Output):
     """`llmopt quantize`: a GPTQ or AWQ checkpoint (or dense float16) made layer by layer."""
 
-    format: Literal["gptq", "awq", "dense"]
-    method: Literal[METHODS] | None = None  # type: ignore[valid-type]  # default: the format's own
-    bits: int = Field(4, ge=2, le=8)
-    group_size: int = Field(128, ge=-1, le=1 << 20)
-    sym: bool | None = None
-    mse: bool = False
-    refit_scales: bool = False
-    quantize_head: bool = False
-    max_shard_size: str = "5GB"
+    format: Literal[CHECKPOINT_FORMATS]  # type: ignore[valid-type]
 
     def method_name(self) -> str:
-        return self.method or ("awq" if self.format == "awq" else "gptq")
+        return self.options({}).method_name
 
     @property
     def calibrated(self) -> bool:
         return self.method_name() != "rtn"
 
+    def options(self, calibration: dict[str, Any]) -> QuantizeOptions:
+        """The API's options: this output's and the recipe's `calibration` (the API's keywords; used
+        when the method reads samples)."""
+        calib = calibration if self.calibrated else {}
+        return as_options(self, QuantizeOptions, skip={"fmt"} | CALIBRATION, fmt=self.format, **calib)
 
-class HfOutput(_Output):
+
+class _Hf(_Output):
     """`llmopt convert MODEL --to hf`: a dense safetensors directory."""
 
     format: Literal["hf"]
-    dtype: Literal[FLOAT_DTYPES] = "float16"  # type: ignore[valid-type]
-    max_shard_size: str = "5GB"
 
     @property
     def calibrated(self) -> bool:
         return False
 
+    def options(self) -> HfOptions:
+        return as_options(self, HfOptions)
 
-Output = Union[GgufOutput, CheckpointOutput, HfOutput]
+
+class _Calibration(_Strict):
+    """The samples every calibrated output and the shared importance matrix read (default: self-written)."""
+
+
+class _Imatrix(_Strict):
+    """The shared importance matrix (llama-imatrix's settings); unset, they follow `calibration`."""
+
+
+GgufOutput = create_model("GgufOutput", __base__=_Gguf, **_fields(GgufOptions, skip={"imatrix"} | CALIBRATION))
+CheckpointOutput = create_model("CheckpointOutput", __base__=_Checkpoint, **_fields(QuantizeOptions, skip={"fmt"} | CALIBRATION))
+HfOutput = create_model("HfOutput", __base__=_Hf, **_fields(HfOptions))
+Calibration = create_model("Calibration", __base__=_Calibration, **_fields(CalibrationOptions))
+Imatrix = create_model("Imatrix", __base__=_Imatrix, **_fields(ImatrixOptions, skip={"calib_field", "output_format"},
+                                                               chunks=None, ctx_size=None))  # fmt: skip
+
+Output = Union[GgufOutput, CheckpointOutput, HfOutput]  # type: ignore[valid-type]
 OUTPUT_KINDS: dict[str, type[BaseModel]] = {"gguf": GgufOutput, "gptq": CheckpointOutput, "awq": CheckpointOutput,
                                             "dense": CheckpointOutput, "hf": HfOutput}  # fmt: skip
+# The library's keyword names that a recipe spells otherwise, for its error messages (the rest are the same words).
+RECIPE_KEYS = {**{d.name: d.spec.recipe for g in (QuantizeOptions, GgufOptions, HfOptions) for d in g.declared()
+                  if d.spec.recipe and d.name not in CALIBRATION},
+               **{d.name: f"calibration.{d.spec.recipe or d.name}" for d in CalibrationOptions.declared()},
+               "ctx_size": "imatrix.ctx_size", "chunks": "imatrix.chunks", "force": "--force"}  # fmt: skip
 
 
-class Calibration(_Strict):
-    """The samples every calibrated output and the shared importance matrix read."""
-
-    data: str = SELF  # a .txt/.jsonl/.parquet file, a preset, or "self" (text the model writes)
-    field: str | None = None
-    nsamples: int = Field(128, ge=1, le=1_000_000)
-    seqlen: int = Field(512, ge=16, le=1 << 20)
-    seed: int = Field(0, ge=0, le=2**63 - 1)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-
-
-class Imatrix(_Strict):
-    """The shared importance matrix (llama-imatrix's settings); defaults follow `calibration`."""
-
-    chunks: int | None = Field(None, ge=1, le=1_000_000)
-    ctx_size: int | None = Field(None, ge=16, le=1 << 20)
-
-
-class Eval(_Strict):
+class _Eval(_Strict):
     """The text the gates score on: `windows` windows of `ctx` tokens."""
 
     data: str
-    windows: int = Field(40, ge=0, le=1_000_000)
-    ctx: int = Field(512, ge=16, le=1 << 20)
+
+
+Eval = create_model("Eval", __base__=_Eval, **{k: v for k, v in _fields(EvalOptions).items() if k in ("windows", "ctx")})
 
 
 class Recipe(_Strict):

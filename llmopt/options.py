@@ -1,0 +1,392 @@
+"""Every option of the commands, declared once: type, default, range, choices, help and flag.
+
+A command's options are a frozen dataclass (an `Options` subclass) whose fields are declared with
+`option(...)`. From that one declaration come the Python API's keywords and defaults
+(`QuantizeOptions.of(bits=3)` checks type and range), the CLI's flags (`cli/signature.py` builds
+each command's Typer parameters from it) and the recipe schema (`api/recipe/schema.py` builds its
+pydantic models from it). Rules that relate several options, or an option and a format, live in
+each command's `prepare` (api/quantize.py, api/convert.py), which the API, the CLI and the recipe
+preflight all call. Importable without torch or pydantic: every command line reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from llmopt.errors import OptionError
+from llmopt.names import CALIB_DTYPES, CHECKPOINT_FORMATS, FLOAT_DTYPES, METHODS
+
+GGUF_METHODS: tuple[str, ...] = tuple(m for m in METHODS if m != "rtn")  # calibrated roundings onto GGUF types
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What an option is besides its type and default: help, range, choices, flag, recipe name."""
+
+    help: str
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    choices: tuple[str, ...] | None = None
+    hint: str | None = None  # what the range error says ("choose 2 to 8"); default: the interval
+    flags: tuple[str, ...] = ()  # CLI flags; default: --name-with-dashes. "--a/--b" for an on/off pair
+    recipe: str | None = None  # its key in a recipe when it differs from the API's keyword
+    show_default: bool = True
+
+    def interval(self) -> str:
+        lo = f"[{_number(self.ge)}" if self.ge is not None else f"({_number(self.gt)}" if self.gt is not None else "(-inf"
+        hi = f"{_number(self.le)}]" if self.le is not None else f"{_number(self.lt)})" if self.lt is not None else "inf)"
+        return f"{lo}, {hi}"
+
+    def check(self, name: str, value: Any) -> None:
+        if value is None:
+            return
+        if self.choices is not None and value not in self.choices:
+            raise OptionError(f"<{name}> {value!r}: choose one of {', '.join(self.choices)}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            low_ok = (self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+            high_ok = (self.le is None or value <= self.le) and (self.lt is None or value < self.lt)
+            if not (low_ok and high_ok):
+                raise OptionError(f"<{name}> {value}: {self.hint or 'expected a value in ' + self.interval()}")
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def option(default: Any, help: str, **spec: Any) -> Any:
+    """A field of an `Options` dataclass: its default and its `Spec`."""
+    factory = {"default_factory": lambda: default} if isinstance(default, (list, dict)) else {"default": default}
+    return field(metadata={"option": Spec(help, **spec)}, **factory)
+
+
+@dataclass(frozen=True)
+class Declared:
+    """One option as the CLI and the recipe schema read it."""
+
+    name: str
+    type: Any  # the annotation, resolved (int, float | None, tuple[str, ...], ...)
+    default: Any
+    spec: Spec
+
+    @property
+    def flag(self) -> str:
+        """The flag a user types to set it (its first one, the 'on' side of a pair)."""
+        return self.spec.flags[0].split("/")[0] if self.spec.flags else "--" + self.name.replace("_", "-")
+
+
+O = typing.TypeVar("O", bound="Options")
+
+
+@dataclass(frozen=True)
+class Options:
+    """A command's options: construct with `of(**values)`, which checks every value."""
+
+    command: ClassVar[str] = ""
+
+    @classmethod
+    def of(cls: type[O], **values: Any) -> O:
+        known = {d.name: d for d in cls.declared()}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise OptionError(f"<{unknown[0]}>: not an option of {cls.command or cls.__name__}")
+        for name, value in values.items():
+            check_type(name, value, known[name].type)
+            known[name].spec.check(name, value)
+        return cls(**values)
+
+    @classmethod
+    @functools.cache
+    def declared(cls) -> tuple[Declared, ...]:
+        """Every option, the class's own first, then its groups' in the order they are listed."""
+        hints = typing.get_type_hints(cls)
+        owner = {name: i for i, klass in enumerate(cls.__mro__) for name in vars(klass).get("__annotations__", {})}
+        fields = sorted(dataclasses.fields(cls), key=lambda f: owner[f.name])
+        return tuple(Declared(f.name, hints[f.name], f.default if f.default is not dataclasses.MISSING else f.default_factory(),
+                              f.metadata["option"]) for f in fields)  # fmt: skip
+
+    def values(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def changed(self) -> dict[str, Any]:
+        """The options given a value other than their default."""
+        return {d.name: getattr(self, d.name) for d in self.declared() if getattr(self, d.name) != d.default}
+
+
+def check_type(name: str, value: Any, annotation: Any) -> None:
+    """Plain Python types only (what a CLI, a YAML file or a caller gives); an int is a float too."""
+    allowed = typing.get_args(annotation) if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union else (annotation,)
+    for t in allowed:
+        origin = typing.get_origin(t) or t
+        if t is type(None) and value is None or origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return
+        if origin in (int, float, str) and isinstance(value, origin) and not isinstance(value, bool) or origin is bool and isinstance(value, bool):
+            return
+        if origin is Path and isinstance(value, (str, Path)):
+            return
+        if origin in (tuple, list) and isinstance(value, (tuple, list)):
+            item = (typing.get_args(t) or (str,))[0]
+            if all(isinstance(v, item) and not isinstance(v, bool) for v in value):
+                return
+    raise OptionError(f"<{name}> {value!r}: expected {_type_name(annotation)}")
+
+
+def _type_name(annotation: Any) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", Path: "a path", type(None): "none"}
+    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    return " or ".join(names.get(typing.get_origin(a) or a, "a list of strings") for a in args)
+
+
+# ------------------------------------------------------------------------------------------- groups
+@dataclass(frozen=True)
+class CalibFieldOptions(Options):
+    calib_field: str | None = option(None, "Text field of .jsonl/.parquet records (default: text).",
+                                     flags=("--calib-field", "--field"), recipe="field", show_default=False)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CalibrationOptions(CalibFieldOptions):
+    """The calibration samples of the calibrated methods (a recipe's `calibration:` section)."""
+
+    calib: str | None = option(None, "Calibration text: a .txt/.jsonl/.parquet file, a preset (wikitext2, c4, pileval; "
+                               "online), or 'self' (model-generated, the default).", recipe="data", show_default=False)
+    nsamples: int = option(128, "Calibration samples.", ge=1, le=1_000_000)
+    seqlen: int = option(512, "Tokens per calibration sample.", ge=1, le=1 << 20)
+    seed: int = option(0, "Seed for sampling windows (and for --calib self).", ge=0, le=2**63 - 1)
+    calib_dtype: str = option("auto", f"Calibrated methods: dtype of the calibration forward ({' | '.join(CALIB_DTYPES)}); "
+                              "auto = bfloat16 where the device has it natively, else float32. Hessians and weights "
+                              "stay float32.", choices=CALIB_DTYPES, recipe="dtype")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RoundingOptions(Options):
+    """The calibrated methods' own options (GPTQ's and AWQ's), shared by `quantize` and `convert --method`."""
+
+    damp: float = option(0.01, "GPTQ: dampening, a fraction of the mean Hessian diagonal (raised automatically if needed).",
+                         ge=0, lt=1, hint="choose a fraction in [0, 1)")  # fmt: skip
+    act_order: bool = option(False, "GPTQ: quantize columns by decreasing activation energy (desc_act).")
+    static_groups: bool = option(False, "GPTQ: choose group scales before quantizing (keeps groups contiguous under --act-order).")
+    group_aware: bool | None = option(None, "GPTQ: act-order inside contiguous groups (GPTQModel's act_group_aware; no "
+                                      "g_idx). On by default with groups, unless --act-order or --static-groups.",
+                                      flags=("--group-aware-order/--no-group-aware-order",), show_default=False)  # fmt: skip
+    gptaq: float = option(0.0, "GPTQ: pull each layer toward the full-precision model's output (GPTAQ / GPTQ v2), "
+                          "strength in (0, 1]; 0 = off.", ge=0, le=1, hint="choose a strength in [0, 1] (0 = off)")  # fmt: skip
+    clip: bool = option(True, "AWQ: search a clipping range per group (AutoAWQ's); --no-clip skips it.", flags=("--clip/--no-clip",))
+    batch_size: int = option(8, "Calibration samples per forward pass.", ge=1, le=4096, hint="must be positive")
+
+
+@dataclass(frozen=True)
+class AutomixOptions(Options):
+    """The automatic mixed precision: each tensor's type (or bits) for the least predicted KL at a size."""
+
+    target_bpw: float | None = option(None, "Automatic mix: choose each tensor's type (GGUF) or each layer's bits and "
+                                      "group size (GPTQ, written as GPTQModel's `dynamic`) for the least predicted KL "
+                                      "divergence at this many bits per weight.", gt=0, le=32,
+                                      hint="expected bits per weight in (0, 32]", show_default=False)  # fmt: skip
+    sensitivity_samples: int = option(32, "Automatic mix: calibration samples its sensitivities are measured on "
+                                      "(cached beside -o).", ge=1, le=100_000, hint="must be at least 1")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ShardOptions(Options):
+    max_shard_size: str = option("5GB", "Largest safetensors shard, e.g. 5GB, 500MB.")
+
+
+# ----------------------------------------------------------------------------------------- commands
+@dataclass(frozen=True)
+class QuantizeOptions(CalibrationOptions, RoundingOptions, AutomixOptions, ShardOptions):
+    """`llmopt quantize`: a GPTQ/AWQ (or dense) checkpoint made layer by layer (a recipe's gptq/awq/dense output)."""
+
+    command: ClassVar[str] = "quantize"
+    method: str | None = option(None, "gptq, awq, awq+gptq (AWQ's scales and clipping, then GPTQ's rounding): "
+                                "calibrated; rtn: round to nearest, no data. Default: the format's own (awq for "
+                                "--format awq, else gptq).", choices=METHODS, show_default=False)  # fmt: skip
+    bits: int = option(4, "Bits per weight: 2-8 (GPTQ checkpoints: 2, 3, 4, 8).", ge=2, le=8, hint="choose 2 to 8")
+    group_size: int = option(128, "Columns per scale: >0 per group, -1 per output channel, 0 per tensor (rtn).",
+                             ge=-1, le=1 << 20, hint="use a positive size, -1 (per channel) or 0 (per tensor)")  # fmt: skip
+    sym: bool | None = option(None, "Symmetric grid (no zero point) or asymmetric (zero point per group). Default: "
+                              "--asym for awq methods, --sym otherwise.", flags=("--sym/--asym",), show_default=False)  # fmt: skip
+    mse: bool = option(False, "Search a clipping range per group instead of min/max.")
+    refit_scales: bool = option(False, "GPTQ: re-solve each group's scale for the final codes (least squares on the "
+                                "layer's output error).")  # fmt: skip
+    fmt: str | None = option(None, "gptq or awq: a packed checkpoint (default: awq for awq methods, else gptq); dense: "
+                             "dequantized float16 weights.", choices=CHECKPOINT_FORMATS, flags=("--format",),
+                             recipe="format", show_default=False)  # fmt: skip
+    quantize_head: bool = option(False, "Quantize the LM head too (embeddings and norms never are).")
+
+    @property
+    def method_name(self) -> str:
+        """The method: as given, else the format's own (awq for an AWQ checkpoint), else gptq."""
+        return self.method or ("awq" if self.fmt == "awq" else "gptq")
+
+    @property
+    def format_name(self) -> str:
+        """The checkpoint format: as given, else the method's own."""
+        return self.fmt or ("awq" if self.method_name.startswith("awq") else "gptq")
+
+
+@dataclass(frozen=True)
+class GgufOptions(CalibrationOptions, RoundingOptions, AutomixOptions):
+    """`llmopt convert --to gguf`: a llama.cpp type or mix, by llama.cpp's searches or a calibrated method."""
+
+    command: ClassVar[str] = "convert --to gguf"
+    mix: str | None = option(None, "GGUF type/mix: {mixes} (default F16; with a target, the label of the file).", flags=("--type",), recipe="type", show_default=False)  # fmt: skip
+    imatrix: Path | None = option(None, "Importance matrix (llama.cpp GGUF or .dat).", show_default=False)
+    tensor_types: tuple[str, ...] = option((), "REGEX=TYPE override (repeatable).", flags=("--tensor-type",),
+                                           recipe="tensor_type", show_default=False)  # fmt: skip
+    output_tensor_type: str | None = option(None, "Type of output.weight.", show_default=False)
+    method: str | None = option(None, "Round the block linears with gptq, awq or awq+gptq (calibrated) onto the mix's "
+                                "types instead of llama.cpp's searches.", choices=GGUF_METHODS, show_default=False)  # fmt: skip
+    target_size: str | int | None = option(None, "Automatic mix: the least predicted KL divergence in at most this file size "
+                                     "(95MB, 2GiB, bytes).", show_default=False)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HfOptions(ShardOptions):
+    """`llmopt convert --to hf`: a dense safetensors directory."""
+
+    command: ClassVar[str] = "convert --to hf"
+    dtype: str = option("float16", "Float type of the written weights.", choices=FLOAT_DTYPES)
+
+
+@dataclass(frozen=True)
+class ImatrixOptions(CalibFieldOptions):
+    """`llmopt imatrix`: llama-imatrix's settings."""
+
+    command: ClassVar[str] = "imatrix"
+    chunks: int | None = option(None, "Use at most this many chunks.", ge=1, le=1_000_000, show_default=False)
+    ctx_size: int = option(512, "Tokens per chunk (llama-imatrix's -c).", ge=16, le=1 << 20, flags=("--ctx-size", "-c"),
+                           hint="must be at least 16 (llama.cpp ignores smaller batches)")  # fmt: skip
+    output_format: str = option("gguf", "gguf (default) or dat (legacy).", choices=("gguf", "dat"))
+
+
+COMMAND_OPTIONS: tuple[type[Options], ...] = (QuantizeOptions, GgufOptions, HfOptions, ImatrixOptions)
+
+
+# ------------------------------------------------------------------------------ the runtime's commands
+@dataclass(frozen=True)
+class DtypeOptions(Options):
+    dtype: str = option("auto", "auto | float32 | float16 | bfloat16 (auto: float32 on CPU, bfloat16 on CUDA).",
+                        choices=("auto", *FLOAT_DTYPES))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PackedOptions(Options):
+    packed: bool = option(True, "GPTQ/AWQ: keep weights packed (bit planes; with --dtype bfloat16 4-bit layers take "
+                          "the int4 kernel, faster, not exact) or dequantize them. GGUF on CPU stays quantized in "
+                          "memory when dequantized it would not fit (half the available memory); --dequantize always "
+                          "dequantizes.", flags=("--packed-int4/--dequantize",))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class KeepQuantizedOptions(Options):
+    keep_quantized: bool = option(False, "GGUF on CPU: keep the weights quantized in memory even when dequantized "
+                                  "they would fit (decode faster, prefill slower, the first step compiles the "
+                                  "products). --compile implies it.")  # fmt: skip
+    compile: bool = option(False, "torch.compile the decode step (CUDA graphs on GPU; bench: batch 1), before prefill (up to a minute; "
+                           "reported apart). On CPU it pays on a GGUF, which it keeps quantized, not on float weights.")  # fmt: skip
+
+
+
+@dataclass(frozen=True)
+class ThreadsOptions(Options):
+    threads: int = option(0, "CPU threads for torch (0 = torch's default).", ge=0)
+
+
+@dataclass(frozen=True)
+class LoadOptions(DtypeOptions, PackedOptions, KeepQuantizedOptions):
+    """How `generate` loads a model into the runtime (`eval` and `bench` take some of these)."""
+
+    @property
+    def gguf_quantized(self) -> bool | None:
+        """The runtime's `gguf_quantized` (runtime/weights.py): True when asked, or when the decode step is
+        compiled (it pays on quantized weights); None leaves it to the memory rule; --dequantize never."""
+        if self.keep_quantized and not self.packed:
+            raise OptionError("give one of <keep_quantized> and <dequantize>")
+        return (True if self.keep_quantized or self.compile else None) if self.packed else None
+
+
+@dataclass(frozen=True)
+class SamplingOptions(Options):
+    """How the next token is chosen and when a sequence stops (per request too, in `--prompts`)."""
+
+    max_tokens: int = option(256, "Most new tokens to generate.", flags=("--max-tokens", "-n"), ge=1,
+                             hint="must be at least 1")  # fmt: skip
+    temperature: float = option(0.0, "0 = greedy (deterministic).", flags=("--temperature", "-t"))
+    top_k: int = option(0, "Keep the k most likely tokens (0 = off).")
+    top_p: float = option(1.0, "Keep the smallest set with this much probability (1 = off).")
+    min_p: float = option(0.0, "Drop tokens below min_p x the top probability (0 = off).")
+    repetition_penalty: float = option(1.0, "Penalize tokens already seen (1 = off).")
+    seed: int | None = option(None, "Random seed: the same seed gives the same text.", ge=0, lt=2**64,
+                              hint="expected 0 to 2**64 - 1 (torch's generator seed)", show_default=False)  # fmt: skip
+    stop: tuple[str, ...] = option((), "Stop when this text appears (repeatable).", show_default=False)
+    ignore_eos: bool = option(False, "Keep going past the end-of-sequence token.")
+
+
+@dataclass(frozen=True)
+class GenerateOptions(SamplingOptions, LoadOptions):
+    """`llmopt generate`: one prompt (speculative decoding optional) or many (`--prompts`, continuous batching)."""
+
+    command: ClassVar[str] = "generate"
+    chat: bool = option(False, "Wrap the prompt in the model's chat template.")
+    system: str | None = option(None, "System message (with --chat).", show_default=False)
+    draft: str | None = option(None, "Draft model for speculative decoding (same tokenizer).", show_default=False)
+    num_draft: int = option(4, "Tokens drafted per verification step.", flags=("--num-draft", "-k"), ge=1)
+    prompt_lookup: int = option(0, "Speculate by matching the last N-gram in the text so far (0 = off).", ge=0)
+    self_speculative: bool = option(False, "Speculate with the model itself, some layers skipped (chosen by a short "
+                                    "search on the prompt).")  # fmt: skip
+    prefill_chunk: int = option(512, "Prompt tokens per prefill forward pass.", ge=1)
+    max_batch: int = option(16, "With --prompts: most sequences decoded at once.", ge=1, hint="must be at least 1")
+    kv_blocks: int = option(0, "With --prompts: KV-cache blocks in the pool (0 = enough for --max-batch requests at once).", ge=0)
+    block_size: int = option(16, "With --prompts: tokens per KV-cache block.", ge=1)
+
+
+@dataclass(frozen=True)
+class EvalOptions(DtypeOptions):
+    """`llmopt eval`: perplexity, KL and top-1 over windows of a text; quality gates (a recipe's `eval:` too)."""
+
+    command: ClassVar[str] = "eval"
+    ctx: int = option(512, "Tokens per window.", ge=2, le=1 << 20)
+    windows: int = option(40, "Number of windows from the start of the text (0 = all).", ge=0, le=1_000_000)
+    max_ppl_increase: float | None = option(None, "Gate: fail if perplexity rises more than PCT % over --ref.", ge=0,
+                                            show_default=False)  # fmt: skip
+    min_top1: float | None = option(None, "Gate: fail if top-1 agreement with --ref is below PCT %.", ge=0, le=100,
+                                    show_default=False)  # fmt: skip
+    max_kld: float | None = option(None, "Gate: fail if the mean KL divergence from --ref exceeds NATS per token.", ge=0,
+                                   show_default=False)  # fmt: skip
+    batch: int = option(1, "Windows per forward pass (same numbers; faster where one window leaves the device idle).", ge=1)
+    packed: bool = field(default=False, metadata=PackedOptions.__dataclass_fields__["packed"].metadata)  # scoring: exact by default
+
+
+@dataclass(frozen=True)
+class BenchOptions(DtypeOptions, KeepQuantizedOptions, ThreadsOptions):
+    """`llmopt bench`: a sweep of prompt lengths x batch sizes (or a server's concurrency)."""
+
+    command: ClassVar[str] = "bench"
+    engine: str | None = option(None, "llmopt (the built-in runtime) | llama.cpp (llama-cpp-python, a .gguf) (default llmopt)",
+                                show_default=False)  # fmt: skip
+    endpoint: str | None = option(None, "An OpenAI-compatible server's base URL, e.g. http://127.0.0.1:8080/v1 "
+                                  "(streaming /completions).", show_default=False)  # fmt: skip
+    served_model: str | None = option(None, "With --endpoint: the model name to ask for (default: the first the "
+                                      "server lists).", flags=("--model",), show_default=False)  # fmt: skip
+    prompt_len: str | tuple[int, ...] = option("128", "Prompt lengths in tokens, comma-separated.")
+    gen: int = option(128, "Tokens to generate per sequence (EOS ignored in-process).", ge=1, le=1 << 20)
+    batch: str | tuple[int, ...] | None = option(None, "Batch sizes (sequences decoded in lockstep), comma-separated "
+                                                 "(default 1)", show_default=False)  # fmt: skip
+    concurrency: str | tuple[int, ...] | None = option(None, "With --endpoint: requests in flight, comma-separated "
+                                                       "(default 1)", show_default=False)  # fmt: skip
+    requests: int = option(64, "With --endpoint: requests per prompt length and concurrency.", ge=1, le=100_000)
+    time_limit: float = option(600.0, "With --endpoint: stop sending after this many seconds per sweep point.", gt=0)
+    seed: int = option(0, "Seed of the synthetic prompts (the same ids for every engine).", ge=0)
+    bandwidth: str | float | None = option(None, "Memory bandwidth for the roofline: GB/s or a GPU name (recommend's "
+                                           "catalog); default: measured here", show_default=False)  # fmt: skip
+
+
+COMMAND_OPTIONS += (GenerateOptions, EvalOptions, BenchOptions)

@@ -160,8 +160,9 @@ class BlockGrid:
         return BlockParams({k: v for k, v in fields.items() if k != "codes"}, qt.scales, offset, qt.group_size)
 
     def search_fields(self, w: torch.Tensor, importance: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """`chunk` of one block of columns run on the CPU, where the searches run, its fields back on w's device."""
-        fields = self.chunk(w.detach().to("cpu", torch.float32).contiguous(), on_cpu(importance))
+        """`chunk` of one block of columns run on the CPU, where the searches run (its rows in chunks on
+        every thread, as `quantize`), its fields back on w's device."""
+        fields = in_row_chunks(w.detach().to("cpu", torch.float32).contiguous(), self.chunk, on_cpu(importance))
         return {k: v.to(w.device) for k, v in fields.items()}
 
     def round(self, x: torch.Tensor, p: BlockParams, j: int) -> torch.Tensor:

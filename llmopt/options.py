@@ -171,6 +171,8 @@ class RoundingOptions(Options):
 
     damp: float = option(0.01, "GPTQ: dampening, a fraction of the mean Hessian diagonal (raised automatically if needed).",
                          ge=0, lt=1, hint="choose a fraction in [0, 1)")  # fmt: skip
+    damp_step: float = option(0.01, "GPTQ: added to --damp each time the Hessian's Cholesky factorization fails "
+                              "(GPTQModel's damp_auto_increment).", gt=0, lt=1)  # fmt: skip
     act_order: bool = option(False, "GPTQ: quantize columns by decreasing activation energy (desc_act).")
     static_groups: bool = option(False, "GPTQ: choose group scales before quantizing (keeps groups contiguous under --act-order).")
     group_aware: bool | None = option(None, "GPTQ: act-order inside contiguous groups (GPTQModel's act_group_aware; no "

@@ -61,7 +61,7 @@ class GPTQConfig:
     act_order: bool = QuantizeOptions.act_order
     static_groups: bool = QuantizeOptions.static_groups
     damp: float = QuantizeOptions.damp  # fraction of the mean Hessian diagonal added to the diagonal
-    damp_step: float = 0.01  # added to `damp` each time Cholesky fails
+    damp_step: float = QuantizeOptions.damp_step  # added to `damp` each time Cholesky fails
     block_size: int = 128
     mse: bool = QuantizeOptions.mse  # clipping search when choosing group parameters
     mse_weighted: bool = True  # weight the clipping search's column errors by diag H (activation energy)

@@ -50,7 +50,7 @@ def build_spec(o: QuantizeOptions, method: str, sym: bool, *, act_dtype: torch.d
     if gptq_rounding:
         if group_aware and (o.act_order or o.static_groups):
             raise OptionError("<group_aware> is an alternative to <act_order> and <static_groups>; choose one")
-        gptq = GPTQConfig(o.bits, o.group_size, sym, o.act_order, o.static_groups, o.damp, mse=o.mse, zero_min=zero_min,
+        gptq = GPTQConfig(o.bits, o.group_size, sym, o.act_order, o.static_groups, o.damp, o.damp_step, mse=o.mse, zero_min=zero_min,
                           refit_scales=o.refit_scales, fp_target=o.gptaq, group_aware=group_aware)  # fmt: skip
     if method == "gptq":
         config: RTNConfig | GPTQConfig | AWQConfig = gptq

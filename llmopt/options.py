@@ -363,7 +363,8 @@ class EvalOptions(DtypeOptions):
                                     show_default=False)  # fmt: skip
     max_kld: float | None = option(None, "Gate: fail if the mean KL divergence from --ref exceeds NATS per token.", ge=0,
                                    show_default=False)  # fmt: skip
-    batch: int = option(1, "Windows per forward pass (same numbers; faster where one window leaves the device idle).", ge=1)
+    batch: int = option(1, "Windows per forward pass (same numbers; faster where one window leaves the device idle).",
+                        ge=1, le=1024, hint="windows per forward must be between 1 and 1024")  # fmt: skip
     packed: bool = field(default=False, metadata=PackedOptions.__dataclass_fields__["packed"].metadata)  # scoring: exact by default
 
 
@@ -379,14 +380,17 @@ class BenchOptions(DtypeOptions, KeepQuantizedOptions, ThreadsOptions):
     served_model: str | None = option(None, "With --endpoint: the model name to ask for (default: the first the "
                                       "server lists).", flags=("--model",), show_default=False)  # fmt: skip
     prompt_len: str | tuple[int, ...] = option("128", "Prompt lengths in tokens, comma-separated.")
-    gen: int = option(128, "Tokens to generate per sequence (EOS ignored in-process).", ge=1, le=1 << 20)
+    gen: int = option(128, "Tokens to generate per sequence (EOS ignored in-process).", ge=1, le=1 << 20,
+                      hint="must be between 1 and 1048576")  # fmt: skip
     batch: str | tuple[int, ...] | None = option(None, "Batch sizes (sequences decoded in lockstep), comma-separated "
                                                  "(default 1)", show_default=False)  # fmt: skip
     concurrency: str | tuple[int, ...] | None = option(None, "With --endpoint: requests in flight, comma-separated "
                                                        "(default 1)", show_default=False)  # fmt: skip
-    requests: int = option(64, "With --endpoint: requests per prompt length and concurrency.", ge=1, le=100_000)
-    time_limit: float = option(600.0, "With --endpoint: stop sending after this many seconds per sweep point.", gt=0)
-    seed: int = option(0, "Seed of the synthetic prompts (the same ids for every engine).", ge=0)
+    requests: int = option(64, "With --endpoint: requests per prompt length and concurrency.", ge=1, le=100_000,
+                           hint="must be between 1 and 100000")  # fmt: skip
+    time_limit: float = option(600.0, "With --endpoint: stop sending after this many seconds per sweep point.", gt=0,
+                               hint="must be > 0 seconds")  # fmt: skip
+    seed: int = option(0, "Seed of the synthetic prompts (the same ids for every engine).", ge=0, hint="must be >= 0")
     bandwidth: str | float | None = option(None, "Memory bandwidth for the roofline: GB/s or a GPU name (recommend's "
                                            "catalog); default: measured here", show_default=False)  # fmt: skip
 

@@ -15,17 +15,15 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from llmopt.errors import InputError, OptionError
+from llmopt.errors import InputError
 from llmopt.model.decoder import Decoder
+from llmopt.options import EvalOptions
 
 
 def token_windows(ids: list[int], ctx: int, windows: int) -> torch.Tensor:
     """The first `windows` non-overlapping windows of `ctx` tokens ([windows, ctx]); 0 = all."""
-    if ctx < 2:
-        raise OptionError(f"<ctx> must be at least 2, got {ctx}")
+    EvalOptions.of(ctx=ctx, windows=windows)  # their ranges, as `eval` declares them
     available = len(ids) // ctx
-    if windows < 0:
-        raise OptionError(f"<windows> must be >= 0, got {windows}")
     windows = windows or available
     if available < windows or available == 0:
         raise InputError(f"the text has {len(ids)} tokens: {available} window(s) of {ctx}, fewer than the {windows} asked for")
@@ -107,10 +105,6 @@ def evaluate(model: Decoder, windows: torch.Tensor, ref: Decoder | None = None,
     return result
 
 
-MAX_BATCH = 1024
-
-
 def check_batch(batch: int) -> None:
-    """`--batch`: windows per forward, 1..MAX_BATCH."""
-    if not isinstance(batch, int) or not 1 <= batch <= MAX_BATCH:
-        raise OptionError(f"<batch> {batch}: windows per forward must be between 1 and {MAX_BATCH}")
+    """`--batch`: windows per forward, checked as `eval`'s option is declared (llmopt/options.py)."""
+    EvalOptions.of(batch=batch)

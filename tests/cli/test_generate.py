@@ -193,7 +193,7 @@ def test_prompts_to_stdout_with_a_forced_preemption(llmopt_here, tiny_models, tm
     (['{"prompt": "hi", "max_tokens": "5"}'], [], "p.jsonl:1: 'max_tokens' must be int"),
     (['{"prompt": "hi", "temperature": -1}'], [], "p.jsonl:1: `temperature` must be >= 0"),
     (['{"prompt": "hi"}', json.dumps({"prompt": "quick " * 300})], [], "p.jsonl:2: the prompt has"),
-    (['{"prompt": "hi"}'], ["--max-batch", "0"], "--max-batch must be at least 1"),
+    (['{"prompt": "hi"}'], ["--max-batch", "0"], "--max-batch 0: must be at least 1"),
     (['{"prompt": "hi"}'], ["--kv-blocks", "1", "--block-size", "4"], "KV blocks"),
     (['{"prompt": "hi"}'], ["-p", "hi"], "not both"),
     (['{"prompt": "hi"}'], ["--draft", "x"], "--prompt-lookup"),

@@ -23,7 +23,6 @@ from llmopt.options import BenchOptions
 ENGINES = ("llmopt", "llama.cpp")
 MAX_BATCH = 4096
 MAX_CONCURRENCY = 1024
-MAX_REQUESTS = 100_000
 
 
 @dataclass
@@ -107,8 +106,6 @@ def _bench_endpoint_checked(model: str | Path | None, o: BenchOptions, lengths: 
         raise OptionError("choose one of <engine> and <endpoint>")
     if o.batch is not None:
         raise OptionError("<batch> is for in-process engines; a server's load is <concurrency>")
-    if not 1 <= o.requests <= MAX_REQUESTS:
-        raise OptionError(f"<requests> {o.requests}: must be between 1 and {MAX_REQUESTS}")
     return _bench_endpoint(o.endpoint, model, o.served_model, lengths, o.gen,
                            int_list(o.concurrency or (1,), "concurrency", high=MAX_CONCURRENCY), o.requests, o.seed,
                            o.time_limit, warmup, on_row)  # fmt: skip

@@ -259,10 +259,10 @@ def test_big_tensors_encoded_in_slabs_match_llama_cpp(wide, tmp_path: Path, monk
         assert "token_embd.weight" in slabs and "blk.0.ffn_down.weight" in slabs and "blk.0.attn_q.weight" not in slabs
 
 
-@pytest.mark.parametrize(("mix", "loaded"), [("Q4_K_M", True), ("Q8_0", False)])
+@pytest.mark.parametrize(("mix", "loaded"), [("Q4_K_M", True), ("Q8_0", True), ("F16", False)])
 def test_kernels_a_plan_needs_are_loaded_before_its_first_tensor(wide, tmp_path: Path, mix: str, loaded: bool) -> None:
-    """In a fresh process: a plan with K-quants loads numba's kernels before its first tensor (its Q8_0
-    and other legacy tensors then take them too); a Q8_0 file never loads them."""
+    """In a fresh process: a plan with quantized types loads numba's kernels (every GGUF search's one
+    definition) before its first tensor; a float file never loads them."""
     import subprocess
     import sys
 

@@ -22,6 +22,9 @@ from typing import Any, ClassVar
 from llmopt.errors import OptionError
 from llmopt.names import CALIB_DTYPES, CHECKPOINT_FORMATS, FLOAT_DTYPES, METHODS
 
+# An options class: an immutable value with no generated __eq__ or __repr__ (there are twenty such classes
+# and every command line defines them all: each generated method is start-up time).
+_options = dataclass(frozen=True, eq=False, repr=False)
 GGUF_METHODS: tuple[str, ...] = tuple(m for m in METHODS if m != "rtn")  # calibrated roundings onto GGUF types
 
 
@@ -85,7 +88,8 @@ class Declared:
 O = typing.TypeVar("O", bound="Options")
 
 
-@dataclass(frozen=True)
+
+@_options
 class Options:
     """A command's options: construct with `of(**values)`, which checks every value."""
 
@@ -145,13 +149,13 @@ def _type_name(annotation: Any) -> str:
 
 
 # ------------------------------------------------------------------------------------------- groups
-@dataclass(frozen=True)
+@_options
 class CalibFieldOptions(Options):
     calib_field: str | None = option(None, "Text field of .jsonl/.parquet records (default: text).",
                                      flags=("--calib-field", "--field"), recipe="field", show_default=False)  # fmt: skip
 
 
-@dataclass(frozen=True)
+@_options
 class CalibrationOptions(CalibFieldOptions):
     """The calibration samples of the calibrated methods (a recipe's `calibration:` section)."""
 
@@ -165,7 +169,7 @@ class CalibrationOptions(CalibFieldOptions):
                               "stay float32.", choices=CALIB_DTYPES, recipe="dtype")  # fmt: skip
 
 
-@dataclass(frozen=True)
+@_options
 class RoundingOptions(Options):
     """The calibrated methods' own options (GPTQ's and AWQ's), shared by `quantize` and `convert --method`."""
 
@@ -184,7 +188,7 @@ class RoundingOptions(Options):
     batch_size: int = option(8, "Calibration samples per forward pass.", ge=1, le=4096, hint="must be positive")
 
 
-@dataclass(frozen=True)
+@_options
 class AutomixOptions(Options):
     """The automatic mixed precision: each tensor's type (or bits) for the least predicted KL at a size."""
 
@@ -196,13 +200,13 @@ class AutomixOptions(Options):
                                       "(cached beside -o).", ge=1, le=100_000, hint="must be at least 1")  # fmt: skip
 
 
-@dataclass(frozen=True)
+@_options
 class ShardOptions(Options):
     max_shard_size: str = option("5GB", "Largest safetensors shard, e.g. 5GB, 500MB.")
 
 
 # ----------------------------------------------------------------------------------------- commands
-@dataclass(frozen=True)
+@_options
 class QuantizeOptions(CalibrationOptions, RoundingOptions, AutomixOptions, ShardOptions):
     """`llmopt quantize`: a GPTQ/AWQ (or dense) checkpoint made layer by layer (a recipe's gptq/awq/dense output)."""
 
@@ -234,7 +238,7 @@ class QuantizeOptions(CalibrationOptions, RoundingOptions, AutomixOptions, Shard
         return self.fmt or ("awq" if self.method_name.startswith("awq") else "gptq")
 
 
-@dataclass(frozen=True)
+@_options
 class GgufOptions(CalibrationOptions, RoundingOptions, AutomixOptions):
     """`llmopt convert --to gguf`: a llama.cpp type or mix, by llama.cpp's searches or a calibrated method."""
 
@@ -250,7 +254,7 @@ class GgufOptions(CalibrationOptions, RoundingOptions, AutomixOptions):
                                      "(95MB, 2GiB, bytes).", show_default=False)  # fmt: skip
 
 
-@dataclass(frozen=True)
+@_options
 class HfOptions(ShardOptions):
     """`llmopt convert --to hf`: a dense safetensors directory."""
 
@@ -258,7 +262,7 @@ class HfOptions(ShardOptions):
     dtype: str = option("float16", "Float type of the written weights.", choices=FLOAT_DTYPES)
 
 
-@dataclass(frozen=True)
+@_options
 class ImatrixOptions(CalibFieldOptions):
     """`llmopt imatrix`: llama-imatrix's settings."""
 
@@ -273,13 +277,13 @@ COMMAND_OPTIONS: tuple[type[Options], ...] = (QuantizeOptions, GgufOptions, HfOp
 
 
 # ------------------------------------------------------------------------------ the runtime's commands
-@dataclass(frozen=True)
+@_options
 class DtypeOptions(Options):
     dtype: str = option("auto", "auto | float32 | float16 | bfloat16 (auto: float32 on CPU, bfloat16 on CUDA).",
                         choices=("auto", *FLOAT_DTYPES))  # fmt: skip
 
 
-@dataclass(frozen=True)
+@_options
 class PackedOptions(Options):
     packed: bool = option(True, "GPTQ/AWQ: keep weights packed (bit planes; with --dtype bfloat16 4-bit layers take "
                           "the int4 kernel, faster, not exact) or dequantize them. GGUF on CPU stays quantized in "
@@ -287,7 +291,7 @@ class PackedOptions(Options):
                           "dequantizes.", flags=("--packed-int4/--dequantize",))  # fmt: skip
 
 
-@dataclass(frozen=True)
+@_options
 class KeepQuantizedOptions(Options):
     keep_quantized: bool = option(False, "GGUF on CPU: keep the weights quantized in memory even when dequantized "
                                   "they would fit (decode faster, prefill slower, the first step compiles the "
@@ -297,12 +301,12 @@ class KeepQuantizedOptions(Options):
 
 
 
-@dataclass(frozen=True)
+@_options
 class ThreadsOptions(Options):
     threads: int = option(0, "CPU threads for torch (0 = torch's default).", ge=0)
 
 
-@dataclass(frozen=True)
+@_options
 class LoadOptions(DtypeOptions, PackedOptions, KeepQuantizedOptions):
     """How `generate` loads a model into the runtime (`eval` and `bench` take some of these)."""
 
@@ -315,7 +319,7 @@ class LoadOptions(DtypeOptions, PackedOptions, KeepQuantizedOptions):
         return (True if self.keep_quantized or self.compile else None) if self.packed else None
 
 
-@dataclass(frozen=True)
+@_options
 class SamplingOptions(Options):
     """How the next token is chosen and when a sequence stops (per request too, in `--prompts`)."""
 
@@ -332,7 +336,7 @@ class SamplingOptions(Options):
     ignore_eos: bool = option(False, "Keep going past the end-of-sequence token.")
 
 
-@dataclass(frozen=True)
+@_options
 class GenerateOptions(SamplingOptions, LoadOptions):
     """`llmopt generate`: one prompt (speculative decoding optional) or many (`--prompts`, continuous batching)."""
 
@@ -350,7 +354,7 @@ class GenerateOptions(SamplingOptions, LoadOptions):
     block_size: int = option(16, "With --prompts: tokens per KV-cache block.", ge=1)
 
 
-@dataclass(frozen=True)
+@_options
 class EvalOptions(DtypeOptions):
     """`llmopt eval`: perplexity, KL and top-1 over windows of a text; quality gates (a recipe's `eval:` too)."""
 
@@ -368,7 +372,7 @@ class EvalOptions(DtypeOptions):
     packed: bool = field(default=False, metadata=PackedOptions.__dataclass_fields__["packed"].metadata)  # scoring: exact by default
 
 
-@dataclass(frozen=True)
+@_options
 class BenchOptions(DtypeOptions, KeepQuantizedOptions, ThreadsOptions):
     """`llmopt bench`: a sweep of prompt lengths x batch sizes (or a server's concurrency)."""
 

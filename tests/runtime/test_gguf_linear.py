@@ -14,6 +14,7 @@ from gguf.quants import dequantize
 from llmopt.formats.gguf.blocks import pack
 from llmopt.formats.gguf.writer import plan_gguf, write_gguf
 from llmopt.model import open_model
+from llmopt.model.ggml_types import PARTS, GGMLQuantType
 from llmopt.quant.grids import quantize
 from llmopt.runtime.gguf_codes import CodeLinear
 from llmopt.runtime.gguf_lattice import LatticeLinear
@@ -337,3 +338,12 @@ def test_compiled_decode_step_of_a_model_kept_quantized_gives_eager_tokens(wide,
     prompt = [5, 17, 230, 9]
     eager = Generator(kept, None, eos=set()).generate(prompt, 8).token_ids
     assert Generator(kept, None, eos=set(), compile=True).generate(prompt, 8).token_ids == eager
+
+
+@pytest.mark.parametrize("name", list(PARTS))
+def test_every_type_llmopt_writes_has_a_module_of_its_own(name):
+    """The runtime half of a type's parts: every type named in ggml_types.PARTS (what llmopt writes)
+    has a registry entry that keeps it quantized in a float32 model, never the generic tile fallback."""
+    qtype = GGMLQuantType[name]
+    layer = quantized_module(qtype, _blocks(qtype, rows=16, cols=256), None)
+    assert layer is not None and not isinstance(layer, RawGGUFLinear), type(layer).__name__

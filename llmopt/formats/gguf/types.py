@@ -12,20 +12,13 @@ import math
 from collections.abc import Sequence
 
 from llmopt.errors import InputError, OptionError
-from llmopt.model.ggml_types import GGML_TYPES, GGMLQuantType, GGMLType
+from llmopt.model.ggml_types import GGML_TYPES, PARTS, GGMLQuantType, GGMLType
 
 
-# The types llmopt writes (float containers, legacy 32-blocks, K-quant 256-super-blocks, the
-# i-quants: non-linear 4-bit levels and the IQ3/IQ2/IQ1 lattice codebooks, ternary, sign-only Q1_0 and
-# two-bit Q2_0, FP4).
+# The types llmopt writes: the float containers, and every block type that model/ggml_types.py's PARTS
+# names a grid and a packer for (legacy, K-quants, i-quants, ternary, Q1_0/Q2_0, FP4), in id order.
 FLOAT_TYPES = ("F32", "F16", "BF16")
-LEGACY_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
-K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-IQ_TYPES = ("IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
-TERNARY_TYPES = ("TQ1_0", "TQ2_0")
-LOW_BIT_TYPES = ("Q1_0", "Q2_0")  # one fp16 scale per block, no search
-FP4_TYPES = ("MXFP4", "NVFP4")
-WRITABLE_TYPES = FLOAT_TYPES + LEGACY_TYPES + K_TYPES + IQ_TYPES + TERNARY_TYPES + LOW_BIT_TYPES + FP4_TYPES
+WRITABLE_TYPES = FLOAT_TYPES + tuple(PARTS)
 
 
 def ggml_info(type_name: str) -> GGMLType:

@@ -144,7 +144,8 @@ class _Checkpoint(_Output):
     format: Literal[CHECKPOINT_FORMATS]  # type: ignore[valid-type]
 
     def method_name(self) -> str:
-        return self.options({}).method_name
+        """The method: as given, else the format's own (QuantizeOptions.method_name's rule)."""
+        return as_options(self, QuantizeOptions, skip={"fmt"} | CALIBRATION, fmt=self.format).method_name
 
     @property
     def calibrated(self) -> bool:

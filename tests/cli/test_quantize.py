@@ -81,7 +81,7 @@ def test_gptaq_and_refit_scales_are_recorded(llmopt_here, tiny_models, tmp_path)
     (["--group-aware-order", "--act-order"], "choose one"),
     (["--gptaq", "1.5"], "--gptaq 1.5: choose a strength in [0, 1]"),
     (["--device", "tpu"], "bad --device"),
-    (["--calib-dtype", "int8"], "bad --calib-dtype 'int8'"),
+    (["--calib-dtype", "int8"], "'int8' is not one of 'auto', 'float32', 'bfloat16', 'float16'"),
     (["--method", "rtn", "--calib-dtype", "bfloat16"], "--calib-dtype applies to calibrated methods"),
     (["--method", "awq", "--act-order"], "--act-order, --group-aware-order, --static-groups, --refit-scales and "
                                          "--gptaq apply to --method gptq and awq+gptq"),
@@ -120,10 +120,11 @@ def test_existing_output_is_refused_before_work(llmopt_here, tiny_models, tmp_pa
     ({"group_aware": False}, False),
 ])
 def test_group_aware_order_is_the_default_with_groups(kwargs, expect) -> None:
+    from llmopt.options import QuantizeOptions
     from llmopt.quant.gptq import GPTQConfig
     from llmopt.quant.spec import build_spec
 
-    spec = build_spec("gptq", **kwargs)
+    spec = build_spec(QuantizeOptions.of(**kwargs), "gptq", True)
     assert isinstance(spec.method, GPTQConfig) and spec.method.group_aware is expect
 
 

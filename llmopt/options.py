@@ -116,6 +116,14 @@ class Options:
         return tuple(Declared(f.name, hints[f.name], f.default if f.default is not dataclasses.MISSING else f.default_factory(),
                               f.metadata["option"]) for f in fields)  # fmt: skip
 
+    @classmethod
+    def merged(cls: type[O], options: Options | None, kwargs: dict[str, Any]) -> O:
+        """The API's way in: `options` (this command's, or another's: only this class's fields are taken)
+        with keyword arguments over them, checked."""
+        names = {d.name for d in cls.declared()}
+        given = {k: v for k, v in (options.changed() if options else {}).items() if k in names}
+        return cls.of(**{**given, **kwargs})
+
     def values(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
@@ -243,15 +251,16 @@ class GgufOptions(CalibrationOptions, RoundingOptions, AutomixOptions):
     """`llmopt convert --to gguf`: a llama.cpp type or mix, by llama.cpp's searches or a calibrated method."""
 
     command: ClassVar[str] = "convert --to gguf"
-    mix: str | None = option(None, "GGUF type/mix: {mixes} (default F16; with a target, the label of the file).", flags=("--type",), recipe="type", show_default=False)  # fmt: skip
+    mix: str | None = option(None, "GGUF type/mix: {mixes} (default F16; with a target, the label of the file).",
+                             flags=("--type",), recipe="type", show_default=False)  # fmt: skip
     imatrix: Path | None = option(None, "Importance matrix (llama.cpp GGUF or .dat).", show_default=False)
     tensor_types: tuple[str, ...] = option((), "REGEX=TYPE override (repeatable).", flags=("--tensor-type",),
                                            recipe="tensor_type", show_default=False)  # fmt: skip
     output_tensor_type: str | None = option(None, "Type of output.weight.", show_default=False)
     method: str | None = option(None, "Round the block linears with gptq, awq or awq+gptq (calibrated) onto the mix's "
                                 "types instead of llama.cpp's searches.", choices=GGUF_METHODS, show_default=False)  # fmt: skip
-    target_size: str | int | None = option(None, "Automatic mix: the least predicted KL divergence in at most this file size "
-                                     "(95MB, 2GiB, bytes).", show_default=False)  # fmt: skip
+    target_size: str | int | None = option(None, "Automatic mix: the least predicted KL divergence in at most this file "
+                                           "size (95MB, 2GiB, bytes).", show_default=False)  # fmt: skip
 
 
 @_options
@@ -271,9 +280,6 @@ class ImatrixOptions(CalibFieldOptions):
     ctx_size: int = option(512, "Tokens per chunk (llama-imatrix's -c).", ge=16, le=1 << 20, flags=("--ctx-size", "-c"),
                            hint="must be at least 16 (llama.cpp ignores smaller batches)")  # fmt: skip
     output_format: str = option("gguf", "gguf (default) or dat (legacy).", choices=("gguf", "dat"))
-
-
-COMMAND_OPTIONS: tuple[type[Options], ...] = (QuantizeOptions, GgufOptions, HfOptions, ImatrixOptions)
 
 
 # ------------------------------------------------------------------------------ the runtime's commands
@@ -296,9 +302,9 @@ class KeepQuantizedOptions(Options):
     keep_quantized: bool = option(False, "GGUF on CPU: keep the weights quantized in memory even when dequantized "
                                   "they would fit (decode faster, prefill slower, the first step compiles the "
                                   "products). --compile implies it.")  # fmt: skip
-    compile: bool = option(False, "torch.compile the decode step (CUDA graphs on GPU; bench: batch 1), before prefill (up to a minute; "
-                           "reported apart). On CPU it pays on a GGUF, which it keeps quantized, not on float weights.")  # fmt: skip
-
+    compile: bool = option(False, "torch.compile the decode step (CUDA graphs on GPU; bench: batch 1), before prefill "
+                           "(up to a minute; reported apart). On CPU it pays on a GGUF, which it keeps quantized, not on "
+                           "float weights.")  # fmt: skip
 
 
 @_options
@@ -399,4 +405,5 @@ class BenchOptions(DtypeOptions, KeepQuantizedOptions, ThreadsOptions):
                                            "catalog); default: measured here", show_default=False)  # fmt: skip
 
 
-COMMAND_OPTIONS += (GenerateOptions, EvalOptions, BenchOptions)
+COMMAND_OPTIONS: tuple[type[Options], ...] = (QuantizeOptions, GgufOptions, HfOptions, ImatrixOptions, GenerateOptions,
+                                              EvalOptions, BenchOptions)  # fmt: skip

@@ -38,7 +38,7 @@ def convert_to_hf(model: str | Path, output: str | Path, options: HfOptions | No
     """Write `model` (GGUF, HF directory or hub id) as an HF safetensors directory of `dtype` weights
     (`HfOptions`, or keywords: `dtype`, `max_shard_size`). `on_start(total_bytes)` and
     `on_tensor(name, bytes)` follow the progress."""
-    o = HfOptions.of(**{**(options.changed() if options else {}), **kwargs})
+    o = HfOptions.merged(options, kwargs)
     dtype, max_shard_size = o.dtype, o.max_shard_size
     shard_bytes = parse_size(max_shard_size)
     start = time.perf_counter()
@@ -157,10 +157,7 @@ class _Events:
 
 
 def _gguf_options(options: GgufOptions | None, mix: str | None, kwargs: dict[str, Any]) -> GgufOptions:
-    given = {**(options.changed() if options else {}), **kwargs}
-    if mix is not None:
-        given["mix"] = mix
-    return GgufOptions.of(**given)
+    return GgufOptions.merged(options, {**kwargs, **({"mix": mix} if mix is not None else {})})
 
 
 def _write_gguf(source: ModelSource, output: Path, job: GgufJob, prov: Provenance, dev: torch.device,

@@ -26,7 +26,7 @@ def evaluate(model: str | Path, data: str | Path, options: EvalOptions | None = 
     Returns the result, the gates (perplexity rise in %, top-1 agreement in %, KL in nats) and a
     JSON summary; the caller decides what a failed gate means (the CLI exits 1). `batch` windows
     share each forward (the same numbers up to float rounding)."""
-    o = EvalOptions.of(**{**(options.changed() if options else {}), **kwargs})
+    o = EvalOptions.merged(options, kwargs)
     _check_gates(ref, o)
     text = _read(data)
     reference = _reference(ref, o, device)
@@ -40,7 +40,7 @@ def evaluate_files(models: Sequence[str | Path], data: str | Path, options: Eval
     """`evaluate` for each of `models` against one reference (loaded once; one model in memory
     besides it), each summary with the file's size (`bytes`) and bits per weight. With `plot`, a
     PNG of KL divergence against size, the Pareto front joined. `on_window(model_index, done, total)`."""
-    o = EvalOptions.of(**{**(options.changed() if options else {}), **kwargs})
+    o = EvalOptions.merged(options, kwargs)
     if not models:
         raise OptionError("give at least one model to evaluate")
     if plot is not None and ref is None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.errors import InputError, OptionError
-from llmopt.options import GenerateOptions, LoadOptions, Options
+from llmopt.options import GenerateOptions, LoadOptions
 from llmopt.runtime.chat import apply_chat_template
 from llmopt.runtime.generate import GenerationResult, Generator, Metrics
 from llmopt.runtime.sampling import SamplingConfig
@@ -29,14 +29,8 @@ def load(model: str | Path, options: LoadOptions | None = None, *, device: str =
     lets a GGUF's weights keep their quantized form on CPU (memory about the file's size;
     runtime/gguf_linear.py): always with `keep_quantized` or `compile`, otherwise when dequantized they
     would not fit (runtime.weights.keep_gguf_quantized). `packed=False` dequantizes."""
-    o = LoadOptions.of(**_given(options, kwargs, LoadOptions))
+    o = LoadOptions.merged(options, kwargs)
     return load_model(str(model), o.dtype, device, o.packed, gguf_quantized=o.gguf_quantized)
-
-
-def _given(options: Options | None, kwargs: dict[str, Any], group: type[Options]) -> dict[str, Any]:
-    """The values of `group`'s options among `options` (any command's) and keyword arguments."""
-    names = {d.name for d in group.declared()}
-    return {k: v for k, v in {**(options.changed() if options else {}), **kwargs}.items() if k in names}
 
 
 def generate(model: str | Path | LoadedModel, prompt: str, options: GenerateOptions | None = None, *,
@@ -47,7 +41,7 @@ def generate(model: str | Path | LoadedModel, prompt: str, options: GenerateOpti
     (a smaller model sharing the tokenizer), `prompt_lookup` (n-gram length) or `self_speculative`
     (the model itself with `skip_layers` skipped, searched on the prompt when not given) turn on
     speculative decoding, whose output is exactly the plain decoder's. `on_text` streams the text."""
-    o = GenerateOptions.of(**_given(options, kwargs, GenerateOptions))
+    o = GenerateOptions.merged(options, kwargs)
     sampling = check_options(o, skip_layers)
     target = model if isinstance(model, LoadedModel) else load(model, o, device=device)
     tok = target.tokenizer
@@ -165,7 +159,7 @@ def generate_batch(model: str | Path | LoadedModel, prompts: Sequence[str | Mapp
     from llmopt.runtime.batch import BatchEngine, pool_blocks
     from llmopt.runtime.paged import BlockPool
 
-    o = GenerateOptions.of(**_given(options, kwargs, GenerateOptions))
+    o = GenerateOptions.merged(options, kwargs)
     check_options(o)
     labels = list(labels) if labels is not None else [f"prompt {i + 1}" for i in range(len(prompts))]
     entries = [check_request({"prompt": p} if isinstance(p, str) else dict(p), label) for p, label in zip(prompts, labels)]

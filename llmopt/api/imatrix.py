@@ -24,7 +24,7 @@ def imatrix(model: str | Path, calib: str, output: str | Path, options: ImatrixO
     (as llama-imatrix does) and write it in llama.cpp's GGUF format (or its legacy .dat). The options
     (`ImatrixOptions`, or keywords: `chunks`, `ctx_size`, `calib_field`, `output_format`) are declared
     in llmopt/options.py."""
-    o = ImatrixOptions.of(**{**(options.changed() if options else {}), **kwargs})
+    o = ImatrixOptions.merged(options, kwargs)
     chunks, ctx_size = o.chunks, o.ctx_size
     check_output(Path(output), force)
     dev = resolve_device(device)

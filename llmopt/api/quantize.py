@@ -114,7 +114,7 @@ def quantize(model: str | Path, output: str | Path, options: QuantizeOptions | N
     are, the head included); `on_calibration(done, total)` follows the generation of self-written
     samples.
     """
-    options = QuantizeOptions.of(**{**(options.changed() if options else {}), **kwargs})
+    options = QuantizeOptions.merged(options, kwargs)
     dev = resolve_device(device)
     check_output(Path(output), force, directory=True)
     job = prepare(options, dev)

@@ -61,7 +61,6 @@ def generate_command(
     opts = settings(ctx, json_out, device, verbose)
     set_threads(ThreadsOptions.of(**option_values(options, ThreadsOptions)).threads)
     o = GenerateOptions.of(**option_values(options, GenerateOptions))
-    o.gguf_quantized  # noqa: B018  (refuses --keep-quantized with --dequantize before anything loads)
     if prompts is not None:
         if prompt is not None or prompt_file is not None:
             raise OptionError("give <prompts> FILE, or one of <prompt> TEXT and <prompt_file> FILE, not both")

@@ -1,4 +1,4 @@
-"""A command's flags from its options' one declaration (api/options.py).
+"""A command's flags from its options' one declaration (llmopt/options.py).
 
 `@with_options(QuantizeOptions)` gives a command function every option of the class as a Typer
 parameter (flag, help, default, choices from the declaration); the function takes them in

@@ -80,7 +80,7 @@ def bench(model: str | Path | None = None, options: BenchOptions | None = None, 
     device when omitted. `keep_quantized`: the llmopt engine keeps a GGUF's weights quantized on CPU
     even where dequantized they would fit. `compile`: it decodes with `generate --compile`'s step
     (batch 1; it keeps a GGUF quantized on CPU, as there). With `plot`, a PNG of the sweep."""
-    o = BenchOptions.of(**{**(options.changed() if options else {}), **kwargs})
+    o = BenchOptions.merged(options, kwargs)
     lengths = int_list(o.prompt_len, "prompt_len")
     if plot is not None:
         from llmopt.eval.plotting import require_matplotlib

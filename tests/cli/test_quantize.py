@@ -80,6 +80,7 @@ def test_gptaq_and_refit_scales_are_recorded(llmopt_here, tiny_models, tmp_path)
     (["--method", "rtn", "--refit-scales"], "apply to --method gptq"),
     (["--group-aware-order", "--act-order"], "choose one"),
     (["--gptaq", "1.5"], "--gptaq 1.5: choose a strength in [0, 1]"),
+    (["--damp-step", "0"], "--damp-step 0.0: expected a value in (0, 1)"),
     (["--device", "tpu"], "bad --device"),
     (["--calib-dtype", "int8"], "'int8' is not one of 'auto', 'float32', 'bfloat16', 'float16'"),
     (["--method", "rtn", "--calib-dtype", "bfloat16"], "--calib-dtype applies to calibrated methods"),

@@ -1,7 +1,7 @@
 """Layer inputs for calibration: the embeddings of the token samples, and hooks that see a linear's input.
 
 The pipeline runs blocks itself; these pieces only observe. The embedding matrix is read from the
-source once and dropped, so the model is never resident.
+source once, in its stored dtype, and dropped, so the model is never resident.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from llmopt.model.source import ModelSource
 def embed(source: ModelSource, tokens: torch.Tensor, dtype: torch.dtype = torch.float32,
           device: torch.device | str = "cpu") -> torch.Tensor:
     """Hidden states entering block 0 for `tokens` [n, t]: [n, t, hidden]."""
-    table = source.load("model.embed_tokens.weight", dtype=torch.float32)
-    x = embed_scaled(table[tokens.clamp(0, table.shape[0] - 1)].to(device=device, dtype=dtype), source.arch)
+    table = source.load("model.embed_tokens.weight", dtype=None)  # as stored (half of float32 for bf16 files)
+    x = embed_scaled(table[tokens.clamp(0, table.shape[0] - 1)].to(device=device, dtype=torch.float32).to(dtype), source.arch)
     del table
     source.release_pages()
     return x

@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from llmopt.formats.atomic import atomic_output_file
 from llmopt.model.source import ModelSource
-from llmopt.plan.fisher import fisher_diagonal, predicted_kld
+from llmopt.calibration.activations import ActivationStore
+from llmopt.plan.fisher import Diagonal, FisherPass, predicted_kld, slab_rows
 
 Rounding = Callable[[str, torch.Tensor, "torch.Tensor | None"], torch.Tensor]  # (option, weight, importance) -> rounded
 
@@ -43,31 +44,71 @@ def measure(source: ModelSource, names: Mapping[str, str], options: Mapping[str,
             device: torch.device | str = "cpu",
             on_step: Callable[[str, int, int], None] | None = None) -> Sensitivities:  # fmt: skip
     """The cost table of `names` (table name -> HF tensor name) over calibration `samples` [n, t]:
-    one Fisher pass, then each tensor rounded (`rounded(option, weight, importance)`) to each of its
-    `options`. `importance` (table name -> vector) replaces the imatrix this pass measures."""
+    the streamed Fisher pass (`FisherPass`), each tensor rounded (`rounded(option, weight, importance)`)
+    to each of its `options` as soon as its diagonal is final. `importance` (table name -> vector)
+    replaces the imatrix this pass measures."""
     # a fused tensor (Phi-3's attn_qkv) is its parts' rows: their diagonals stacked, their one input's
     # importance; an expert stack is its experts': diagonals stacked, one importance row per expert
     family = source.arch.family
     parts = {hf: (family.part_names(hf, source.arch) if hf not in source.tensors else None) or [hf] for hf in names.values()}
-    fisher = fisher_diagonal(source, samples, [p for group in parts.values() for p in group], seed=seed, device=device,
-                             on_sample=None if on_step is None else lambda i, n: on_step("fisher", i, n))  # fmt: skip
+    owner = {p: name for name, hf in names.items() for p in parts[hf]}
     result = Sensitivities(key=key)
-    for name, hf in names.items():
-        seen = [fisher.importance[p] for p in parts[hf] if p in fisher.importance]
-        if family.is_stack(hf) and seen:  # an expert no calibration token reached: a row of zeros, as llama-imatrix
-            result.importance[name] = torch.cat([fisher.importance.get(p, torch.zeros_like(seen[0])) for p in parts[hf]])
-        elif parts[hf][0] in fisher.importance:
-            result.importance[name] = fisher.importance[parts[hf][0]]
-    weights = result.importance if importance is None else importance
-    for done, (name, hf_name) in enumerate(names.items()):
-        weight = source.load_stored(hf_name, dtype=torch.float32)  # 2-D, or an expert stack [experts, rows, cols]
-        diag = torch.cat([fisher.diagonal.pop(p).reshape(-1, weight.shape[-1]) for p in parts[hf_name]]).reshape(weight.shape)
-        result.options[name] = list(options[name])
-        result.cost[name] = [predicted_kld(diag, weight, rounded(o, weight, weights.get(name))) for o in options[name]]
-        source.release_pages()
-        if on_step is not None:
-            on_step("round", done + 1, len(names))
+    with ActivationStore() as store:
+        fisher = FisherPass(source, samples, list(owner), seed=seed, device=device, store=store,
+                            on_step=None if on_step is None else lambda i, n: on_step("fisher", i, n))  # fmt: skip
+        seen = fisher.forward()
+        for name, hf in names.items():
+            found = [seen[p] for p in parts[hf] if p in seen]
+            if family.is_stack(hf) and found:  # an expert no calibration token reached: a row of zeros, as llama-imatrix
+                result.importance[name] = torch.cat([seen.get(p, torch.zeros_like(found[0])) for p in parts[hf]])
+            elif parts[hf][0] in seen:
+                result.importance[name] = seen[parts[hf][0]]
+        weights = result.importance if importance is None else importance
+        waiting: dict[str, dict[str, Diagonal]] = {}
+        for diagonal in fisher.diagonals():
+            name = owner[diagonal.name]
+            got = waiting.setdefault(name, {})
+            got[diagonal.name] = diagonal
+            if len(got) == len(parts[names[name]]):
+                del waiting[name]
+                hf = names[name]
+                result.cost[name] = tensor_costs(source, hf, [got[p] for p in parts[hf]], options[name], rounded,
+                                                 weights.get(name))  # fmt: skip
+    result.options = {name: list(options[name]) for name in names}
+    result.cost = {name: result.cost[name] for name in names}
     return result
+
+
+def tensor_costs(source: ModelSource, hf_name: str, diagonals: Sequence[Diagonal], options: Sequence[str],
+                 rounded: Rounding, importance: torch.Tensor | None) -> list[float]:  # fmt: skip
+    """The predicted KL of `hf_name` rounded to each of `options`. A 2-D tensor is read and rounded a
+    slab of rows at a time (every type rounds rows independently, and the costs of rows add), only
+    the rows with a diagonal when it is row-sparse; a fused tensor or an expert stack is taken whole,
+    as the writer stores it."""
+    if len(diagonals) > 1:
+        weight = source.load_stored(hf_name, dtype=torch.float32)  # 2-D parts stacked, or [experts, rows, cols]
+        diag = torch.cat([d.values.reshape(-1, weight.shape[-1]) for d in diagonals]).reshape(weight.shape)
+        costs = [predicted_kld(diag, weight, rounded(o, weight, importance)) for o in options]
+        source.release_pages()
+        return costs
+    d = diagonals[0]
+    rows, cols = source.tensors[hf_name].shape
+    step = slab_rows(cols)
+    costs = [0.0] * len(options)
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        values, weight = d.values[lo:hi], None
+        if d.rows is not None:
+            pick = (d.rows >= lo) & (d.rows < hi)
+            if not bool(pick.any()):
+                continue
+            values, weight = d.values[pick], source.load_rows(hf_name, slice(lo, hi), dtype=torch.float32)[d.rows[pick] - lo]
+        if weight is None:
+            weight = source.load_rows(hf_name, slice(lo, hi), dtype=torch.float32)
+        for k, o in enumerate(options):
+            costs[k] += predicted_kld(values, weight, rounded(o, weight, importance))
+        source.release_pages()
+    return costs
 
 
 def cache_key(source: ModelSource, calibration: dict, names: Mapping[str, str], candidates: Sequence[str],

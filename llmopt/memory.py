@@ -78,3 +78,54 @@ def available_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cgroup_memory_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process's memory cgroup still lets it allocate (its limit less what it uses, page
+    cache that can be reclaimed not counted as used), or None where there is no limit (or no cgroup).
+    cgroup v2's `memory.max` / `memory.current`; v1's `memory.limit_in_bytes` / `memory.usage_in_bytes`."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hierarchy, controllers, path = line.split(":", 2)
+        if hierarchy == "0" and not controllers:  # v2: one unified hierarchy
+            room = _cgroup_room(Path(root) / path.lstrip("/"), "memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            room = _cgroup_room(Path(root) / "memory" / path.lstrip("/"), "memory.limit_in_bytes",
+                                "memory.usage_in_bytes", "total_inactive_file")  # fmt: skip
+        else:
+            continue
+        if room is not None:
+            return room
+    return None
+
+
+def _cgroup_room(directory: Path, limit_file: str, usage_file: str, reclaimable: str) -> int | None:
+    try:
+        limit = (directory / limit_file).read_text().strip()
+        usage = int((directory / usage_file).read_text())
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v1 writes "no limit" as ~2**63
+        return None
+    cache = 0
+    try:
+        for line in (directory / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == reclaimable:
+                cache = int(value)
+    except (OSError, ValueError):
+        pass
+    return max(0, int(limit) - max(0, usage - cache))
+
+
+def memory_budget() -> tuple[int, str]:
+    """(bytes, where the number comes from): what the system can give (`available_memory`), or the
+    room left under this process's cgroup limit when that is lower ("cgroup limit")."""
+    system = available_memory()
+    room = cgroup_memory_room()
+    if room is not None and room < system:
+        return room, "cgroup limit"
+    return system, "available"

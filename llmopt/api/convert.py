@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from llmopt.api.budget import check_memory, dry_run, pipeline_workload, sensitivity_workload
 from llmopt.api.quantize import QuantizeResult, calibrate, calibration_config, feed, layer_row, provenance
 from llmopt.calibration.samples import CalibConfig
 from llmopt.device import resolve_calib_dtype, resolve_device
@@ -30,6 +31,7 @@ from llmopt.quant.grids import GRIDS
 from llmopt.options import GgufOptions, HfOptions, QuantizeOptions, RoundingOptions
 from llmopt.quant.pipeline import BlockResult, QuantizeSpec, quantized_modules
 from llmopt.quant.spec import build_spec, default_sym
+from llmopt.plan.footprint import Workload
 
 
 def convert_to_hf(model: str | Path, output: str | Path, options: HfOptions | None = None, *, force: bool = False,
@@ -98,7 +100,16 @@ def plan_gguf_file(model: str | Path, mix: str | None = None, *, output: str | P
     with open_model(model) as source:
         plan, _, summary, _ = _plan(source, job, Provenance(command), device=resolve_device(device) if job.target else "cpu",
                                     on_step=on_step)  # fmt: skip
+        if _passes(job):
+            summary.update(dry_run(source.arch, _passes(job)))
     return plan, summary
+
+
+def _passes(job: GgufJob) -> list[Workload]:
+    """The streamed passes of a GGUF conversion: the automatic mix's Fisher pass (with a target), the
+    calibrated method's pipeline (with a method); none for llama.cpp's own searches."""
+    mix = [sensitivity_workload(job.target.calib)] if job.target is not None else []
+    return mix + ([pipeline_workload(job.spec, job.calibration)] if job.spec is not None else [])
 
 
 def convert_to_gguf(model: str | Path, output: str | Path, mix: str | None = None, *, force: bool = False,
@@ -164,6 +175,7 @@ def _write_gguf(source: ModelSource, output: Path, job: GgufJob, prov: Provenanc
                 events: _Events):  # noqa: ANN202
     """Plan and write (with a method: calibrate, then the pipeline's blocks through the writer)."""
     o, spec = job.options, job.spec
+    check_memory(source.arch, _passes(job))
     tokens = calib_info = None
     if spec is not None:
         if job.target is None:

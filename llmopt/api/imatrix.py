@@ -7,6 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from llmopt.api.budget import check_memory, dry_run
 from llmopt.calibration.imatrix import chunk_tokens, compute_imatrix
 from llmopt.calibration.samples import token_stream
 from llmopt.calibration.text import read_texts
@@ -14,8 +17,10 @@ from llmopt.device import resolve_device
 from llmopt.errors import OptionError
 from llmopt.formats.atomic import check_output
 from llmopt.formats.imatrix import write_imatrix
-from llmopt.model import open_model
+from llmopt.model import ModelSource, open_model
 from llmopt.options import ImatrixOptions
+from llmopt.plan.footprint import Workload
+
 
 def imatrix(model: str | Path, calib: str, output: str | Path, options: ImatrixOptions | None = None, *,
             force: bool = False, device: str = "auto", on_layer: Callable[[int, int], None] | None = None,
@@ -25,21 +30,37 @@ def imatrix(model: str | Path, calib: str, output: str | Path, options: ImatrixO
     (`ImatrixOptions`, or keywords: `chunks`, `ctx_size`, `calib_field`, `output_format`) are declared
     in llmopt/options.py."""
     o = ImatrixOptions.merged(options, kwargs)
-    chunks, ctx_size = o.chunks, o.ctx_size
     check_output(Path(output), force)
     dev = resolve_device(device)
     start = time.perf_counter()
     with open_model(model) as source:
-        tok = source.tokenizer()
-        if tok is None:
-            raise OptionError(f"{model}: has no tokenizer to read the calibration text with")
-        text = read_texts(calib, o.calib_field)
-        limit = None if chunks is None else chunks * ctx_size
-        stream = token_stream(text, lambda s: tok.tokenizer.encode(s, add_special_tokens=False).ids, max_tokens=limit)
-        bos = tok.token_id(tok.bos_token) if tok.add_bos else None
-        tokens = chunk_tokens(stream, ctx_size, chunks, bos)
+        tokens = _chunks(source, model, calib, o)
+        check_memory(source.arch, [_workload(tokens)])
         result = compute_imatrix(source, tokens, device=dev, dataset=calib, on_layer=on_layer)
     final = write_imatrix(result, Path(output), legacy_dat=o.output_format == "dat")
     return {"output": str(final), "format": o.output_format, "entries": len(result.sums),
             "chunks": result.chunk_count, "chunk_size": result.chunk_size,
             "seconds": round(time.perf_counter() - start, 3)}  # fmt: skip
+
+
+def plan_imatrix(model: str | Path, calib: str, options: ImatrixOptions | None = None, **kwargs: Any) -> dict[str, Any]:
+    """What `imatrix` would hold and take (`--dry-run`): its chunks, its footprint, its estimated time."""
+    o = ImatrixOptions.merged(options, kwargs)
+    with open_model(model) as source:
+        return dry_run(source.arch, [_workload(_chunks(source, model, calib, o))])
+
+
+def _chunks(source: ModelSource, model: str | Path, calib: str, o: ImatrixOptions) -> torch.Tensor:
+    """The calibration text as llama-imatrix chunks it: [chunks, ctx_size] token ids."""
+    tok = source.tokenizer()
+    if tok is None:
+        raise OptionError(f"{model}: has no tokenizer to read the calibration text with")
+    text = read_texts(calib, o.calib_field)
+    limit = None if o.chunks is None else o.chunks * o.ctx_size
+    stream = token_stream(text, lambda s: tok.tokenizer.encode(s, add_special_tokens=False).ids, max_tokens=limit)
+    bos = tok.token_id(tok.bos_token) if tok.add_bos else None
+    return chunk_tokens(stream, o.ctx_size, o.chunks, bos)
+
+
+def _workload(tokens: torch.Tensor) -> Workload:
+    return Workload("imatrix", samples=int(tokens.shape[0]), seqlen=int(tokens.shape[1]), batch=1)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from llmopt.api.budget import check_memory, dry_run, pipeline_workload, sensitivity_workload
 from llmopt.calibration.samples import CalibConfig, load_calibration
 from llmopt.calibration.text import SELF
 from llmopt.device import resolve_calib_dtype, resolve_device
@@ -31,6 +32,7 @@ from llmopt.model import ModelSource, open_model
 from llmopt.quant.pipeline import BlockResult, LayerReport, QuantizeSpec, quantize_model
 from llmopt.options import CalibrationOptions, QuantizeOptions
 from llmopt.quant.spec import build_spec, check_shapes, default_sym
+from llmopt.plan.footprint import Workload
 
 
 @dataclass
@@ -91,6 +93,25 @@ def prepare(options: QuantizeOptions, device: torch.device) -> QuantizeJob:
     return QuantizeJob(options, spec, fmt, calibration, parse_size(options.max_shard_size))
 
 
+def passes(job: QuantizeJob) -> list[Workload]:
+    """The streamed passes `quantize` runs: the automatic mix's Fisher pass (with a target), the pipeline."""
+    o = job.options
+    mix = [sensitivity_workload(calibration_config(o, o.sensitivity_samples))] if o.target_bpw is not None else []
+    return mix + [pipeline_workload(job.spec, job.calibration)]
+
+
+def plan_quantize(model: str | Path, options: QuantizeOptions | None = None, *, device: str = "auto",
+                  **kwargs: Any) -> dict[str, Any]:  # fmt: skip
+    """What `quantize` would do, without doing it (`--dry-run`): the method, the blocks, the calibration
+    tokens, each pass's memory footprint against the memory available, and its estimated time."""
+    options = QuantizeOptions.merged(options, kwargs)
+    job = prepare(options, resolve_device(device))
+    with open_model(model) as source:
+        check_shapes(source, job.spec)
+        plan = dry_run(source.arch, passes(job))
+    return {"method": job.spec.method.name, "format": job.fmt, **plan}
+
+
 def calibration_config(options: CalibrationOptions, nsamples: int) -> CalibConfig:
     """The calibration the options ask for, `nsamples` samples of it (the sensitivities read fewer)."""
     return CalibConfig(options.calib or SELF, options.calib_field, nsamples, options.seqlen, options.seed)
@@ -122,6 +143,7 @@ def quantize(model: str | Path, output: str | Path, options: QuantizeOptions | N
     with open_model(model) as source:
         spec = job.spec
         check_shapes(source, spec)
+        check_memory(source.arch, passes(job))
         mix = None
         if options.target_bpw is not None:
             mix = plan_bits(source, spec, options.target_bpw, calibration_config(options, options.sensitivity_samples),

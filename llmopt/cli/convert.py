@@ -19,6 +19,7 @@ from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progres
 from rich.table import Table
 
 from llmopt.cli.common import DeviceOpt, ForceOpt, JsonOpt, VerboseOpt, emit_json, err, human_bytes, out, settings
+from llmopt.cli.quantize import print_passes
 from llmopt.cli.signature import option_values, with_options
 from llmopt.errors import OptionError
 from llmopt.formats.gguf.mixes import MIXES
@@ -91,25 +92,48 @@ def _to_gguf(model: str, output: Path | None, o: GgufOptions, *, dry_run: bool, 
         return
     if output is None:
         raise OptionError("<to> gguf needs <output> FILE.gguf (or <dry_run>)")
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  TimeRemainingColumn(), console=err, transient=True) as progress:  # fmt: skip
+    with _gguf_progress(name, calibrated=o.method is not None) as events:
+        result = convert_to_gguf(model, output, force=force, command=command, device=device, options=o, **events)
+    if as_json:
+        emit_json(result)
+    else:
+        _print_written(result)
+
+
+@contextmanager
+def _gguf_progress(name: str, calibrated: bool) -> Iterator[dict[str, Callable]]:
+    """The bar of a GGUF conversion, as convert_to_gguf's callbacks: bytes written with their ETA; with a
+    calibrated method, blocks done (the pipeline's time is per block, not per byte) after the
+    calibration text, each with its ETA."""
+    columns = (MofNCompleteColumn(),) if calibrated else (DownloadColumn(), TransferSpeedColumn())
+    with Progress(TextColumn("{task.description}"), BarColumn(), *columns, TextColumn("ETA"), TimeRemainingColumn(),
+                  console=err, transient=True) as progress:  # fmt: skip
         task = progress.add_task(name, total=None)
 
         def on_tensor(planned, seconds: float) -> None:  # noqa: ANN001
-            progress.update(task, advance=planned.nbytes, description=f"{planned.gguf_name} {planned.type_name}")
+            progress.update(task, advance=0 if calibrated else planned.nbytes,
+                            description=f"{planned.gguf_name} {planned.type_name}")  # fmt: skip
 
         def on_step(stage: str, done: int, total: int) -> None:
             progress.update(task, completed=done, total=total, description=_STAGES[stage])
 
         def on_start(total: int) -> None:
-            progress.update(task, completed=0, total=total, description=name)
+            if not calibrated:
+                progress.update(task, completed=0, total=total, description=name)
 
-        result = convert_to_gguf(model, output, force=force, command=command, device=device, on_start=on_start,
-                                 on_tensor=on_tensor, on_step=on_step, options=o)  # fmt: skip
-    if as_json:
-        emit_json(result)
-    else:
-        _print_written(result)
+        def on_calibration(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total, description="generating calibration text")
+
+        started: list[bool] = []
+
+        def on_block(block, blocks: int) -> None:  # noqa: ANN001
+            if not started:  # the bar (and its ETA) counts blocks from the first one
+                started.append(True)
+                progress.reset(task, total=blocks, description=name)
+            progress.update(task, advance=1, description=f"{name} ({block.seconds:.1f}s/layer)")
+
+        yield {"on_start": on_start, "on_tensor": on_tensor, "on_step": on_step,
+               **({"on_block": on_block, "on_calibration": on_calibration} if calibrated else {})}
 
 
 def _print_written(result: dict) -> None:
@@ -147,6 +171,8 @@ def _print_plan(plan, summary: dict, source_name: str, as_json: bool) -> None:  
     counts = ", ".join(f"{n} {k}" for k, n in sorted(plan.types_count().items()))
     out.print(f"{len(plan.tensors)} tensors ({counts}); {summary['bits_per_weight']:.2f} bits/weight; "
               f"file size {plan.file_nbytes} bytes ({human_bytes(plan.file_nbytes)})")  # fmt: skip
+    if "passes" in summary:  # a calibrated method or a target: what its streamed passes hold and take
+        print_passes(summary)
     auto = summary.get("automix")
     if auto is not None:
         out.print(f"automatic mix: target {auto['target_bytes']} bytes (smallest possible {auto['smallest_bytes']}); "

@@ -15,10 +15,11 @@ from rich.table import Table
 
 from llmopt.cli.common import DeviceOpt, ForceOpt, JsonOpt, Settings, VerboseOpt, emit_json, err, out, settings
 from llmopt.cli.signature import with_options
-from llmopt.errors import InputError
+from llmopt.errors import InputError, OptionError
 from llmopt.formats.atomic import atomic_output_file
 from llmopt.model.families.base import HEAD
 from llmopt.options import QuantizeOptions
+from llmopt.plan.footprint import gb
 
 if TYPE_CHECKING:
     from llmopt.api.quantize import QuantizeResult
@@ -29,7 +30,9 @@ if TYPE_CHECKING:
 def quantize_command(
     ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="Source: an HF directory, a .gguf file or a hub id.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Output directory.")],
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Output directory.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan (method, blocks, calibration tokens, "
+                                          "memory per block, estimated time) and write nothing.")] = False,
     report: Annotated[Optional[Path], typer.Option("--report", help="Write per-layer error metrics as JSON to this file.")] = None,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
@@ -38,12 +41,22 @@ def quantize_command(
     **options: Any,
 ) -> None:
     """Quantize a model's linear layers one decoder block at a time (RTN or GPTQ) and write a checkpoint."""
-    from llmopt.api.quantize import quantize  # here, not at the top: `llmopt --help` starts without torch
+    from llmopt.api.quantize import plan_quantize, quantize  # here, not at the top: `llmopt --help` starts without torch
 
     opts = settings(ctx, json_out, device, verbose)
     if report is not None and report.expanduser().is_dir():
         raise InputError(f"--report {report}: is a directory")
     o = QuantizeOptions.of(**options)
+    if dry_run:
+        plan = plan_quantize(model, o, device=opts.device)
+        if opts.json:
+            emit_json(plan)
+        else:
+            out.print(f"{Path(model).name}: {plan['method']} -> {plan['format']} checkpoint")
+            print_passes(plan)
+        return
+    if output is None:
+        raise OptionError("quantize needs <output> DIR (or <dry_run>)")
     with _progress(f"{o.method_name} w{o.bits}", opts) as (on_calibration, on_block):
         result = quantize(model, output, o, force=force, device=opts.device, on_block=on_block,
                           on_calibration=on_calibration)  # fmt: skip
@@ -78,6 +91,27 @@ def _progress(label: str, opts: Settings) -> Iterator[tuple[Callable[[int, int],
                 err.print(f"{where}: {r.seconds:.2f}s")
 
         yield on_calibration, on_block
+
+
+def print_passes(plan: dict) -> None:
+    """A dry run's passes (api/budget.py's `dry_run`): blocks, tokens, memory per block, estimated time."""
+    where = "" if plan["available_from"] == "available" else f" ({plan['available_from']})"
+    for p in plan["passes"]:
+        name = {"sensitivity": "automatic mix: Fisher pass", "imatrix": "imatrix"}.get(p["pass"], p["pass"])
+        out.print(f"{name}: {p['blocks']} blocks, {p['samples']} x {p['seqlen']} calibration tokens")
+        verdict = "fits" if p["fits"] else "[bold red]does not fit[/]"
+        out.print(f"  memory: one block needs {p['memory']}; {gb(plan['available_bytes'])} available{where}: {verdict}"
+                  + ("" if p["footprint"]["peak_step"] == "one block" else
+                     f"; the {p['footprint']['peak_step']} step needs {gb(p['footprint']['peak_bytes'])}"))  # fmt: skip
+        if p["seconds"] is not None:
+            out.print(f"  time: about {p['seconds_per_block']:.1f} s per block, {duration(p['seconds'])} in all "
+                      "(estimated for this machine)")  # fmt: skip
+
+
+def duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
 def _print_result(result: QuantizeResult) -> None:

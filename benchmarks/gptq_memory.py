@@ -25,55 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.proc_status import status_kib  # noqa: E402
-
-
-def write_random_model(directory: Path, layers: int, hidden: int = 1152, ffn: int = 3072, heads: int = 18, kv: int = 6) -> None:
-    """A random Llama as one safetensors shard per layer (streamed: one layer in memory at a time)."""
-    import torch
-    from safetensors.torch import save_file
-
-    from tests.factories import make_tokenizer
-
-    directory.mkdir(parents=True)
-    tok = make_tokenizer(directory)
-    vocab = tok.get_vocab_size()
-    head_dim = hidden // heads
-    gen = torch.Generator().manual_seed(0)
-
-    def rnd(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) / shape[-1] ** 0.5).to(torch.float16)
-
-    weight_map: dict[str, str] = {}
-    total = 0
-
-    def shard(name: str, tensors: dict) -> None:
-        nonlocal total
-        save_file(tensors, str(directory / name), metadata={"format": "pt"})
-        for k, v in tensors.items():
-            weight_map[k] = name
-            total += v.numel() * 2
-
-    shard("embed.safetensors", {"model.embed_tokens.weight": rnd(vocab, hidden), "model.norm.weight": torch.ones(hidden, dtype=torch.float16),
-                                "lm_head.weight": rnd(vocab, hidden)})
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shard(f"layer-{i:03d}.safetensors", {
-            p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.float16),
-            p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.float16),
-            p + "self_attn.q_proj.weight": rnd(heads * head_dim, hidden),
-            p + "self_attn.k_proj.weight": rnd(kv * head_dim, hidden),
-            p + "self_attn.v_proj.weight": rnd(kv * head_dim, hidden),
-            p + "self_attn.o_proj.weight": rnd(hidden, heads * head_dim),
-            p + "mlp.gate_proj.weight": rnd(ffn, hidden),
-            p + "mlp.up_proj.weight": rnd(ffn, hidden),
-            p + "mlp.down_proj.weight": rnd(hidden, ffn),
-        })
-    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    (directory / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden, "intermediate_size": ffn,
-        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv, "vocab_size": vocab,
-        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
-        "torch_dtype": "float16"}))
+from benchmarks.random_llama import LlamaShape, write_random_llama  # noqa: E402
 
 
 def main() -> None:
@@ -84,14 +36,15 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gptq-memory-"))
     calib = work / "calib.txt"
-    from tests.factories import CORPUS
+    from tests.factories import CORPUS, make_tokenizer
 
     calib.write_text(CORPUS * 20)
     rows = []
     for layers in args.layers:
         src = work / f"random-{layers}"
-        write_random_model(src, layers)
-        weights = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+        src.mkdir()
+        vocab = make_tokenizer(src).get_vocab_size()
+        weights = write_random_llama(src, LlamaShape(hidden=1152, ffn=3072, heads=18, kv_heads=6, layers=layers, vocab=vocab))
         cmd = [sys.executable, "-m", "llmopt.cli.app", "--json", "quantize", str(src), "-o", str(work / f"q-{layers}"),
                "--bits", "4", "--group-size", "128", "--calib", str(calib), "--nsamples", str(args.nsamples),
                "--seqlen", str(args.seqlen)]

@@ -44,6 +44,13 @@ class Imatrix:
 
 
 # ---------------------------------------------------------------------------------------- compute
+def input_power(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Σx² per input channel (float64) over the rows of a linear's input `x` [..., channels], and the
+    rows: the importance statistic, summed by the imatrix collector and by the automatic mix's pass."""
+    flat = x.reshape(-1, x.shape[-1]).to(torch.float64)
+    return (flat * flat).sum(dim=0), flat.shape[0]
+
+
 def chunk_tokens(stream: torch.Tensor, chunk_size: int, max_chunks: int | None, bos_id: int | None) -> torch.Tensor:
     """Consecutive chunks of `chunk_size` tokens [n, chunk_size]; with a BOS id, each chunk starts
     with it in place of its first token (llama-imatrix's recipe)."""
@@ -74,16 +81,16 @@ def compute_imatrix(source: ModelSource, chunks: torch.Tensor, *, device: torch.
 
         def sink_for(name: str, expert: int | None) -> Callable[[torch.Tensor], None]:
             def sink(x: torch.Tensor) -> None:
-                flat = x.reshape(-1, x.shape[-1]).to(torch.float64)
+                power, n = input_power(x)
                 if expert is None:
-                    sums[name] = sums.get(name, 0) + (flat * flat).sum(dim=0)
-                    counts[name] = counts.get(name, 0) + flat.shape[0]
+                    sums[name] = sums.get(name, 0) + power
+                    counts[name] = counts.get(name, 0) + n
                     return
                 if name not in sums:  # one row per expert, each from the tokens routed to it
-                    sums[name] = torch.zeros(num_experts(arch), flat.shape[1], dtype=torch.float64, device=flat.device)
+                    sums[name] = torch.zeros(num_experts(arch), power.shape[0], dtype=torch.float64, device=power.device)
                     counts[name] = torch.zeros(num_experts(arch), dtype=torch.int64)
-                sums[name][expert] += (flat * flat).sum(dim=0)
-                counts[name][expert] += flat.shape[0]
+                sums[name][expert] += power
+                counts[name][expert] += n
 
             return sink
 

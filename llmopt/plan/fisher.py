@@ -44,6 +44,7 @@ import torch
 
 from llmopt.calibration.activations import ActivationStore
 from llmopt.calibration.capture import capture_inputs, embed
+from llmopt.calibration.imatrix import input_power
 from llmopt.model.decoder import RMSNorm, Rotary, embed_scaled, load_block
 from llmopt.model.source import ModelSource
 from llmopt.quant.pipeline import head_weight_name
@@ -245,10 +246,10 @@ def predicted_kld(fisher: torch.Tensor, weight: torch.Tensor, rounded: torch.Ten
 
 def _power_sink(name: str, power: dict[str, torch.Tensor], counts: dict[str, int]) -> Callable[[torch.Tensor], None]:
     def sink(x: torch.Tensor) -> None:
-        flat = x.reshape(-1, x.shape[-1]).to(torch.float64)
-        if flat.shape[0] == 0:  # an expert no token chose (the calibration block runs it on no rows)
+        sums, rows = input_power(x)
+        if rows == 0:  # an expert no token chose (the calibration block runs it on no rows)
             return
-        power[name] = power.get(name, 0) + (flat * flat).sum(dim=0)
-        counts[name] = counts.get(name, 0) + flat.shape[0]
+        power[name] = power.get(name, 0) + sums
+        counts[name] = counts.get(name, 0) + rows
 
     return sink

@@ -195,3 +195,20 @@ def test_smollm2_cost_table_equals_the_whole_model_pass(smollm2_hf: Path) -> Non
         names = {n: n for n in two_d_names(source) if n == EMBEDDING or n.startswith(("model.layers.0.", f"model.layers.{last}."))}
         got, want = _cost_table_pair(source, names, ["Q4_0", "IQ4_NL", "Q8_0"], samples_for(source, n=2, t=64))
         _assert_costs(got, want)
+
+
+def test_importance_equals_the_imatrix_collectors(tmp_path: Path) -> None:
+    """The pass's importance is llama-imatrix's statistic: `compute_imatrix` on the same samples."""
+    from llmopt.calibration.imatrix import compute_imatrix
+    from tests.factories import make_tiny_hf
+
+    with open_model(make_tiny_hf(tmp_path / "m", layers=2)) as source:
+        names = [n for n in two_d_names(source) if n.startswith("model.layers.")]
+        samples = samples_for(source)
+        _, importance, _ = streamed_fisher(source, samples, names, seed=0)
+        imatrix = compute_imatrix(source, samples).importance()
+        family = source.arch.family
+        assert set(importance) == set(names)
+        for name in names:
+            want = imatrix[family.hf_to_gguf_name(name)]
+            assert torch.allclose(importance[name], want, rtol=1e-6), name

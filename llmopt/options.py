@@ -376,6 +376,10 @@ class EvalOptions(DtypeOptions):
     batch: int = option(1, "Windows per forward pass (same numbers; faster where one window leaves the device idle).",
                         ge=1, le=1024, hint="windows per forward must be between 1 and 1024")  # fmt: skip
     packed: bool = field(default=False, metadata=PackedOptions.__dataclass_fields__["packed"].metadata)  # scoring: exact by default
+    stream: bool | None = option(None, "Run each model one block at a time over all windows, for models that do not fit "
+                                 "in memory (the same numbers; weights dequantized as read). Default: when the model and "
+                                 "--ref at --dtype would not fit in 3/4 of the memory available.",
+                                 flags=("--stream/--no-stream",), show_default=False)  # fmt: skip
 
 
 @_options

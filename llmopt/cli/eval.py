@@ -59,6 +59,8 @@ def eval_command(
 def _print_one(result, gates, summary) -> None:  # noqa: ANN001
     table = Table(show_header=False, box=None)
     table.add_row("windows x ctx", f"{result.windows} x {result.ctx} ({result.tokens_scored} tokens scored)")
+    if summary["streamed"]:
+        table.add_row("run", "streamed, one block at a time")
     table.add_row("perplexity", f"{result.perplexity:.4f}")
     if result.ref_perplexity is not None:
         table.add_row("ref perplexity", f"{result.ref_perplexity:.4f} ({result.ppl_increase_pct:+.2f}%)")
@@ -74,6 +76,7 @@ def _print_table(rows) -> None:  # noqa: ANN001
     with_ref = first.ref_perplexity is not None
     title = f"{first.windows} x {first.ctx} tokens" + (f"; ref PPL {first.ref_perplexity:.4f}; KLD = KL(ref || model), "
                                                        f"front = on the Pareto front of KLD vs size" if with_ref else "")
+    title += "; streamed, one block at a time" if rows[0][2]["streamed"] else ""
     table = Table(title=title)
     columns = ["model", "size", "bpw", "PPL"] + (["KLD", "top-1", "front"] if with_ref else [])
     for col in columns:

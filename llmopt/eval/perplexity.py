@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -68,9 +68,20 @@ def batch_log_probs(model: Decoder, windows: torch.Tensor) -> Iterator[torch.Ten
     with torch.inference_mode():
         hidden = model.hidden(windows.to(device))
     for h in hidden:
-        with torch.inference_mode():
-            logp = torch.log_softmax(model.lm_head(h[:-1]).float(), dim=-1)
-        yield logp
+        yield log_probs(model.lm_head, h)
+
+
+@torch.inference_mode()
+def log_probs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+    """log P(next token) at positions 0..ctx-2 of one window from its final hidden states [ctx, hidden]
+    and an LM head (a module, or the streamed path's head read in slabs): [ctx-1, V] float32."""
+    return torch.log_softmax(head(hidden[:-1]).float(), dim=-1)
+
+
+def in_batches(model: Decoder, windows: torch.Tensor, batch: int) -> Iterator[torch.Tensor]:
+    """`window_log_probs` of each window, `batch` windows per forward of the blocks."""
+    for first in range(0, windows.shape[0], batch):
+        yield from batch_log_probs(model, windows[first:first + batch])
 
 
 @torch.inference_mode()
@@ -80,25 +91,32 @@ def evaluate(model: Decoder, windows: torch.Tensor, ref: Decoder | None = None,
     windows share each forward (faster where one window leaves the device idle); the numbers are
     the unbatched ones up to float rounding (tested)."""
     check_batch(batch)
+    refs = in_batches(ref, windows, batch) if ref is not None else None
+    return score(windows, in_batches(model, windows, batch), refs, on_window)
+
+
+@torch.inference_mode()
+def score(windows: torch.Tensor, model_log_probs: Iterable[torch.Tensor], ref_log_probs: Iterable[torch.Tensor] | None = None,
+          on_window: Callable[[int], None] | None = None) -> EvalResult:  # fmt: skip
+    """The metrics of the module docstring from each window's log-probabilities [ctx-1, V] (the
+    model's, and the reference's when given), in window order: the one place they are summed,
+    whichever way the log-probabilities were computed (a loaded model, or eval/streamed.py)."""
     nll = ref_nll = kl = agree = 0.0
-    device = next(model.parameters()).device
-    for first in range(0, windows.shape[0], batch):
-        group = windows[first:first + batch]
-        refs = batch_log_probs(ref, group) if ref is not None else None
-        for i, logp in enumerate(batch_log_probs(model, group)):
-            targets = group[i, 1:, None].to(device)
-            nll -= logp.gather(-1, targets).sum().item()
-            if refs is not None:
-                ref_logp = next(refs).to(logp.device)
-                ref_nll -= ref_logp.gather(-1, targets).sum().item()
-                kl += (ref_logp.exp() * (ref_logp - logp)).sum().item()
-                agree += (ref_logp.argmax(-1) == logp.argmax(-1)).sum().item()
-            if on_window:
-                on_window(first + i)
+    refs = iter(ref_log_probs) if ref_log_probs is not None else None
+    for i, logp in enumerate(model_log_probs):
+        targets = windows[i, 1:, None].to(logp.device)
+        nll -= logp.gather(-1, targets).sum().item()
+        if refs is not None:
+            ref_logp = next(refs).to(logp.device)
+            ref_nll -= ref_logp.gather(-1, targets).sum().item()
+            kl += (ref_logp.exp() * (ref_logp - logp)).sum().item()
+            agree += (ref_logp.argmax(-1) == logp.argmax(-1)).sum().item()
+        if on_window:
+            on_window(i)
     n = windows.shape[0] * (windows.shape[1] - 1)
     result = EvalResult(windows=windows.shape[0], ctx=windows.shape[1], tokens_scored=n, nll=nll / n,
                         perplexity=math.exp(nll / n))
-    if ref is not None:
+    if refs is not None:
         result.ref_perplexity = math.exp(ref_nll / n)
         result.kl_divergence = kl / n
         result.top1_agreement = agree / n

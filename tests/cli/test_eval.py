@@ -49,6 +49,19 @@ def test_bad_input_is_one_line_exit_2(llmopt_here, tiny_models, text, args, expe
     assert_clean_failure(llmopt_here("eval", tiny_models("llama"), "--data", text, *args), expect)
 
 
+def test_stream_flag(llmopt_here, tiny_models, text):
+    """`--stream` runs the models a block at a time and says so (JSON `streamed`, the report's `run` row);
+    `--no-stream` loads them; the numbers are the same (tests/eval/test_streamed.py: to rel 1e-5)."""
+    args = ["eval", tiny_models("llama"), "--data", text, "--ctx", "32", "--windows", "3", "--ref", tiny_models("mistral")]
+    on, off = (json.loads(llmopt_here(*args, flag, "--json").stdout) for flag in ("--stream", "--no-stream"))
+    assert on["streamed"] is True and off["streamed"] is False
+    assert on["kl_divergence"] == pytest.approx(off["kl_divergence"], rel=1e-5)
+    report = llmopt_here(*args, "--stream")
+    assert report.returncode == 0 and "streamed, one block at a time" in report.stdout
+    assert "streamed" not in llmopt_here(*args, "--no-stream").stdout
+    assert_clean_failure(llmopt_here(*args, "--stream", "--packed-int4"), "--stream runs each block dequantized")
+
+
 def test_missing_data_file(llmopt_here, tiny_models, tmp_path):
     assert_clean_failure(llmopt_here("eval", tiny_models("llama"), "--data", tmp_path / "none.txt"), "cannot read")
 

@@ -20,12 +20,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.proc_status import status_kib  # noqa: E402
-from benchmarks.random_llama import LlamaShape, write_random_llama  # noqa: E402
+from benchmarks.random_model import write_random_model  # noqa: E402
 
 
 def main() -> None:
@@ -36,6 +37,7 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gptq-memory-"))
     calib = work / "calib.txt"
+    from llmopt.plan.presets import get_preset
     from tests.factories import CORPUS, make_tokenizer
 
     calib.write_text(CORPUS * 20)
@@ -44,7 +46,9 @@ def main() -> None:
         src = work / f"random-{layers}"
         src.mkdir()
         vocab = make_tokenizer(src).get_vocab_size()
-        weights = write_random_llama(src, LlamaShape(hidden=1152, ffn=3072, heads=18, kv_heads=6, layers=layers, vocab=vocab))
+        arch = replace(get_preset("smollm2-135m").arch, hidden_size=1152, intermediate_size=3072, num_heads=18,
+                       num_kv_heads=6, head_dim=64, num_layers=layers, vocab_size=vocab, tie_word_embeddings=False)
+        weights = write_random_model(src, arch, "float16")
         cmd = [sys.executable, "-m", "llmopt.cli.app", "--json", "quantize", str(src), "-o", str(work / f"q-{layers}"),
                "--bits", "4", "--group-size", "128", "--calib", str(calib), "--nsamples", str(args.nsamples),
                "--seqlen", str(args.seqlen)]

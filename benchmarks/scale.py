@@ -1,6 +1,6 @@
 """Wall time and peak memory of llmopt's commands on a Llama-3.1-8B-shaped model (random bf16 weights).
 
-Writes a random model of the chosen shape (benchmarks/random_llama.py: one safetensors shard per
+Writes a random model of the chosen shape (benchmarks/random_model.py: one safetensors shard per
 layer, written a layer at a time; a byte-level BPE tokenizer exactly as wide as the embedding), a
 calibration text and an eval text whose tokens are spread over the whole vocabulary, then runs each
 command as its own child process (.venv/bin/llmopt, `--json`) and polls /proc every 0.2 s for the
@@ -19,8 +19,9 @@ Commands (small calibration: --nsamples x --seqlen, default 8 x 256):
 
 Per-block seconds: the command's own block timings where its JSON has them (quantize), else the
 slope between two depths of the same command (--layers 2 32), else wall / layers (an upper bound:
-loading, the head and writing included). The 70B column is a plain estimate: per-block seconds x 80
-layers x (8192 / hidden)^2.
+loading, the head and writing included). The 70B column scales that to Llama-3.1-70B by the FLOPs
+of one block of each for the command's passes (the time model's `block_work`,
+llmopt/plan/footprint.py), times its 80 layers; GPTQ's per-column cost is scaled as FLOPs too.
 
     python benchmarks/scale.py                                  # 8B shape, every command, 32 layers
     python benchmarks/scale.py --layers 2 32 --commands gptq awq --keep --work /big/disk
@@ -33,32 +34,34 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.proc_status import status_kib  # noqa: E402
-from benchmarks.random_llama import LlamaShape, word_text, word_tokenizer, write_random_llama  # noqa: E402
+from benchmarks.random_model import word_text, word_tokenizer, write_random_model  # noqa: E402
+from llmopt.model.arch import ArchSpec  # noqa: E402
+from llmopt.plan.arch_tensors import arch_tensors, parameter_count  # noqa: E402
+from llmopt.plan.footprint import BlockShape, Workload, block_work  # noqa: E402
+from llmopt.plan.presets import get_preset  # noqa: E402
 
-LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}  # fmt: skip
-SHAPES = {
-    "8b": LlamaShape(hidden=4096, ffn=14336, heads=32, kv_heads=8, layers=32, vocab=128256, head_dim=128,
-                     rope_theta=500000.0, rms_eps=1e-5, max_positions=131072, dtype="bfloat16", rope_scaling=LLAMA31_ROPE),
-    "tiny": LlamaShape(hidden=256, ffn=512, heads=8, kv_heads=2, layers=4, vocab=2000, head_dim=32,
-                       rope_theta=500000.0, rms_eps=1e-5, max_positions=4096, dtype="bfloat16"),
+LLAMA_8B = get_preset("llama-3.1-8b").arch
+SHAPES = {  # Llama 3.1 8B, and its architecture (rope, GQA 4:1) at a width that runs in seconds
+    "8b": LLAMA_8B,
+    "tiny": replace(LLAMA_8B, hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=2, head_dim=32,
+                    num_layers=4, vocab_size=2000),
 }  # fmt: skip
+DTYPE = "bfloat16"  # Llama 3.1's torch_dtype
+TARGET = get_preset("llama-3.1-70b").arch  # what the projection column is for
 COMMANDS = ("imatrix", "convert", "automix", "awq", "gptq", "eval", "recipe")
 AUTOMIX_BPW = 4.85  # the automatic mix's size: about Q4_K_M's bits per weight on Llama 3.1 8B
-PROJECTION = {"model": "Llama-3-70B", "layers": 80, "hidden": 8192}
 POLL_S = 0.2
 GIB = 1 << 30
 
@@ -217,17 +220,17 @@ def _parse_json(stdout: str) -> dict | None:
 
 
 # ------------------------------------------------------------------------------------------ inputs
-def prepare_model(directory: Path, shape: LlamaShape, keep: bool) -> float:
-    """The random model of `shape` in `directory` (reused with `keep` when complete and of the same
-    shape); returns the seconds spent writing it (0 when reused)."""
-    marker = directory / ".scale-shape.json"
-    wanted = json.dumps(asdict(shape), sort_keys=True)
+def prepare_model(directory: Path, arch: ArchSpec, keep: bool) -> float:
+    """The random model of `arch` in `directory` (reused with `keep` when complete and of the same
+    architecture); returns the seconds spent writing it (0 when reused)."""
+    marker = directory / ".scale-arch.json"
+    wanted = json.dumps({**arch.to_dict(), "dtype": DTYPE}, sort_keys=True)
     if keep and marker.is_file() and marker.read_text() == wanted:
         return 0.0
     shutil.rmtree(directory, ignore_errors=True)
     start = time.perf_counter()
-    token_ids = word_tokenizer(directory, shape.vocab)
-    write_random_llama(directory, replace(shape, token_ids=token_ids))
+    token_ids = word_tokenizer(directory, arch.vocab_size)
+    write_random_model(directory, arch, DTYPE, config=token_ids)
     marker.write_text(wanted)  # last: a half-written model is never reused
     return time.perf_counter() - start
 
@@ -241,10 +244,21 @@ def write_texts(directory: Path, model: Path, nsamples: int, seqlen: int, window
     return calib, evaluation
 
 
-def params(shape: LlamaShape) -> int:
-    """Weights of `shape`: embedding, head, final norm and the layers."""
-    per_layer = sum(math.prod(s) for s in shape.layer_shapes().values())
-    return 2 * shape.vocab * shape.hidden + shape.hidden + shape.layers * per_layer
+def workloads(name: str, job: Job) -> list[Workload]:
+    """The passes command `name` runs, as the time model (llmopt/plan/footprint.py) describes them."""
+    n, t = job.nsamples, job.seqlen
+    passes = {"imatrix": [Workload("imatrix", samples=n, seqlen=t)], "convert": [Workload("quantize", "awq+gptq", n, t)],
+              "automix": [Workload("sensitivity", samples=n, seqlen=t), Workload("quantize", "gptq", n, t)],
+              "awq": [Workload("quantize", "awq", n, t)], "gptq": [Workload("quantize", "gptq", n, t)],
+              "eval": [Workload("eval", samples=job.windows, seqlen=t)]}  # fmt: skip
+    passes["recipe"] = passes["automix"] + passes["gptq"] + passes["awq"] + 3 * passes["eval"]  # each output scored
+    return passes[name]
+
+
+def flops_ratio(works: list[Workload], arch: ArchSpec, target: ArchSpec) -> float:
+    """FLOPs of one block of `target` over one block of `arch` for these passes."""
+    here, there = BlockShape.of(arch), BlockShape.of(target)
+    return sum(block_work(there, w)[0] for w in works) / sum(block_work(here, w)[0] for w in works)
 
 
 def llmopt_argv() -> tuple[str, ...]:
@@ -267,21 +281,20 @@ def per_block(row: dict, rows: list[dict]) -> tuple[float | None, str]:
     return row["wall_s"] / row["layers"], "wall/layers"
 
 
-def finish_rows(rows: list[dict], shape: LlamaShape) -> None:
+def finish_rows(rows: list[dict]) -> None:
     """Per-block seconds and the 70B projection, added to every row."""
-    width = (PROJECTION["hidden"] / shape.hidden) ** 2
     for row in rows:
         seconds, source = per_block(row, rows)
         row["per_block_s"] = None if seconds is None else round(seconds, 3)
         row["per_block_from"] = source
-        row["proj_70b_s"] = None if seconds is None else round(seconds * PROJECTION["layers"] * width, 1)
+        row["proj_70b_s"] = None if seconds is None else round(seconds * row["flops_ratio_70b"] * TARGET.num_layers, 1)
 
 
-def row_of(name: str, layers: int, job: Job, m: Measured) -> dict:
-    return {"command": name, "layers": layers, "calib_tokens": calib_tokens(name, job), "status": m.status, "rc": m.rc,
+def row_of(name: str, arch: ArchSpec, job: Job, m: Measured) -> dict:
+    return {"command": name, "layers": arch.num_layers, "calib_tokens": calib_tokens(name, job), "status": m.status, "rc": m.rc,
             "wall_s": round(m.wall_s, 2), "peak_rss_gib": round(m.peak_rss_kib / 2**20, 3),
             "rss_anon_peak_gib": round(m.rss_anon_peak_kib / 2**20, 3), "rss_file_peak_gib": round(m.rss_file_peak_kib / 2**20, 3),
-            "error": m.error, "result": m.result}  # fmt: skip
+            "error": m.error, "result": m.result, "flops_ratio_70b": round(flops_ratio(workloads(name, job), arch, TARGET), 3)}  # fmt: skip
 
 
 def print_table(rows: list[dict]) -> None:
@@ -334,30 +347,30 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     if min(args.nsamples, args.seqlen, args.windows) < 1:
         ap.error("--nsamples, --seqlen and --windows must be positive")
     try:
-        args.depths, args.per_command = parse_layers(args.layers, SHAPES[args.shape].layers)
+        args.depths, args.per_command = parse_layers(args.layers, SHAPES[args.shape].num_layers)
     except ValueError as e:
         ap.error(str(e))
     return args
 
 
-def run_depth(args: argparse.Namespace, shape: LlamaShape, layers: int, names: list[str]) -> list[dict]:
+def run_depth(args: argparse.Namespace, arch: ArchSpec, layers: int, names: list[str]) -> list[dict]:
     """Write (or reuse) the model of this depth and run `names` on it."""
-    depth = replace(shape, layers=layers)
+    depth = replace(arch, num_layers=layers)
     base = args.work / args.shape / f"L{layers}"
     model, out = base / "model", base / "out"
     wrote = prepare_model(model, depth, args.keep)
-    print(f"# {args.shape} x {layers} layers: {params(depth) / 1e9:.3f} B parameters, "
+    print(f"# {args.shape} x {layers} layers: {parameter_count(arch_tensors(depth)) / 1e9:.3f} B parameters, "
           + (f"written in {wrote:.1f} s" if wrote else "reused (--keep)"), flush=True)
     out.mkdir(parents=True, exist_ok=True)
     calib, evaluation = write_texts(base, model, args.nsamples, args.seqlen, args.windows)
     job = Job(model, out, calib, evaluation, args.nsamples, args.seqlen, args.windows,
-              target_size=round(params(depth) * AUTOMIX_BPW / 8), llmopt=llmopt_argv())  # fmt: skip
+              target_size=round(parameter_count(arch_tensors(depth)) * AUTOMIX_BPW / 8), llmopt=llmopt_argv())  # fmt: skip
     rows = []
     for name in names:
         argv = command_argv(name, job)
         m = Measured(rc=None, wall_s=0.0, status="skipped", error=argv) if isinstance(argv, str) else \
             measure(argv, base / f"{name}.log", args.max_rss, args.timeout)
-        rows.append({**row_of(name, layers, job, m), "argv": argv if isinstance(argv, list) else None})
+        rows.append({**row_of(name, depth, job, m), "argv": argv if isinstance(argv, list) else None})
     if not args.keep:
         shutil.rmtree(model)
     return rows
@@ -365,18 +378,20 @@ def run_depth(args: argparse.Namespace, shape: LlamaShape, layers: int, names: l
 
 def main(argv: list[str] | None = None) -> dict:
     args = arguments(argv)
-    shape = SHAPES[args.shape]
+    arch = SHAPES[args.shape]
     names = [c for c in COMMANDS if c in args.commands]
     plan: dict[int, list[str]] = {}
     for name in names:
         for layers in args.per_command.get(name, args.depths):
             plan.setdefault(layers, []).append(name)
-    rows = [row for layers in sorted(plan) for row in run_depth(args, shape, layers, plan[layers])]
-    finish_rows(rows, shape)
+    rows = [row for layers in sorted(plan) for row in run_depth(args, arch, layers, plan[layers])]
+    finish_rows(rows)
     print_table(rows)
-    report = {"benchmark": "scale", "shape": args.shape, "config": shape.config(), "nsamples": args.nsamples,
+    report = {"benchmark": "scale", "shape": args.shape, "config": arch.to_hf_config(DTYPE), "nsamples": args.nsamples,
               "seqlen": args.seqlen, "windows": args.windows,
-              "projection": {**PROJECTION, "formula": "per_block_s * layers * (hidden / shape hidden)^2"}, "rows": rows}  # fmt: skip
+              "projection": {"model": "Llama-3.1-70B", "layers": TARGET.num_layers,
+                             "formula": "per_block_s * flops_ratio_70b * layers (llmopt.plan.footprint.block_work)"},
+              "rows": rows}  # fmt: skip
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     return report

@@ -1,9 +1,12 @@
-"""Random Llama-shaped HF folders for the memory and scale benchmarks (gptq_memory.py, scale.py).
+"""Random models of any llmopt architecture as HF folders, for the memory and scale benchmarks
+(gptq_memory.py, scale.py).
 
-`write_random_llama` writes config.json, one safetensors shard per decoder layer (plus one for the
-embedding and one for the final norm and head) and the shard index, generating each tensor just
-before its shard is saved: the writer holds one layer (or the embedding) at a time, never the model.
-Weights are seeded normal draws scaled by 1/sqrt(fan_in); norms are ones.
+`write_random_model` writes config.json (`ArchSpec.to_hf_config`), one safetensors shard for the
+embedding, one per decoder layer and one for the final norm and head (the tensors are those
+`llmopt.plan.arch_tensors` lists for the architecture), and the shard index, generating each
+tensor just before its shard is saved: the writer holds one layer (or the embedding) at a time,
+never the model. Weights are seeded normal draws scaled by 1/sqrt(fan_in); norms are ones and
+biases zeros.
 
 `word_tokenizer` builds a byte-level BPE tokenizer of any vocabulary size without training, so a
 random model can have a real tokenizer as wide as its embedding (Llama 3's 128256): the merge chain
@@ -17,104 +20,76 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 import string
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from llmopt.model.arch import ArchSpec
+from llmopt.plan.arch_tensors import BIAS, EMBEDDING, EXPERT, NORM, PlannedTensor, arch_tensors
 
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>")  # the last ids, as in Llama 3
 SPACE = "Ġ"  # byte-level BPE's spelling of " "
 # Rows of a random tensor drawn in float32 at once (64 MiB); the tensor itself is kept in its dtype.
 DRAW_ELEMENTS = 1 << 24
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-@dataclass(frozen=True)
-class LlamaShape:
-    """The numbers of a Llama config.json (HF's names in comments)."""
-
-    hidden: int  # hidden_size
-    ffn: int  # intermediate_size
-    heads: int  # num_attention_heads
-    kv_heads: int  # num_key_value_heads
-    layers: int  # num_hidden_layers
-    vocab: int  # vocab_size
-    head_dim: int | None = None  # hidden // heads when None
-    rope_theta: float = 10000.0
-    rms_eps: float = 1e-5
-    max_positions: int = 2048  # max_position_embeddings
-    dtype: str = "float16"  # torch_dtype, and the dtype the weights are written in
-    rope_scaling: dict[str, Any] | None = None
-    token_ids: dict[str, int] = field(default_factory=dict)  # bos_token_id, eos_token_id
-
-    @property
-    def dim(self) -> int:
-        return self.head_dim or self.hidden // self.heads
-
-    def config(self) -> dict[str, Any]:
-        """config.json as HF's LlamaForCausalLM writes it."""
-        cfg = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": self.hidden,
-            "intermediate_size": self.ffn, "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
-            "num_key_value_heads": self.kv_heads, "head_dim": self.dim, "vocab_size": self.vocab,
-            "max_position_embeddings": self.max_positions, "rms_norm_eps": self.rms_eps, "rope_theta": self.rope_theta,
-            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-            "torch_dtype": self.dtype, **self.token_ids,
-        }  # fmt: skip
-        if self.rope_scaling is not None:
-            cfg["rope_scaling"] = dict(self.rope_scaling)
-        return cfg
-
-    def layer_shapes(self) -> dict[str, tuple[int, ...]]:
-        """One decoder layer's tensors (names after `model.layers.N.`) and their shapes."""
-        q, kv = self.heads * self.dim, self.kv_heads * self.dim
-        return {
-            "input_layernorm.weight": (self.hidden,), "post_attention_layernorm.weight": (self.hidden,),
-            "self_attn.q_proj.weight": (q, self.hidden), "self_attn.k_proj.weight": (kv, self.hidden),
-            "self_attn.v_proj.weight": (kv, self.hidden), "self_attn.o_proj.weight": (self.hidden, q),
-            "mlp.gate_proj.weight": (self.ffn, self.hidden), "mlp.up_proj.weight": (self.ffn, self.hidden),
-            "mlp.down_proj.weight": (self.hidden, self.ffn),
-        }  # fmt: skip
-
-
-def _tensor(shape: tuple[int, ...], dtype: Any, gen: Any) -> Any:
-    """Ones for a norm (1-D), else normal / sqrt(fan_in) drawn a slab of rows at a time."""
+def _tensor(shape: tuple[int, ...], role: str, dtype: Any, gen: Any) -> Any:
+    """Ones for a norm, zeros for a bias, else normal / sqrt(fan_in) drawn a slab of rows at a time."""
     import torch
 
-    if len(shape) == 1:
-        return torch.ones(shape, dtype=dtype)
-    rows, cols = shape
-    out = torch.empty(rows, cols, dtype=dtype)
-    step = max(1, DRAW_ELEMENTS // cols)
-    for start in range(0, rows, step):
-        n = min(step, rows - start)
-        out[start: start + n] = torch.randn(n, cols, generator=gen).div_(cols**0.5)
+    if role in (NORM, BIAS):
+        return (torch.ones if role == NORM else torch.zeros)(shape, dtype=dtype)
+    out = torch.empty(shape, dtype=dtype)
+    rows = out.view(-1, shape[-1])
+    step = max(1, DRAW_ELEMENTS // shape[-1])
+    for start in range(0, rows.shape[0], step):
+        n = min(step, rows.shape[0] - start)
+        rows[start: start + n] = torch.randn(n, shape[-1], generator=gen).div_(shape[-1] ** 0.5)
     return out
 
 
-def write_random_llama(directory: Path, shape: LlamaShape, seed: int = 0) -> int:
-    """Write `shape`'s random weights, config.json and the shard index into `directory` (made if
-    missing; a tokenizer is the caller's). Returns the bytes of weights written."""
+def _stored(t: PlannedTensor) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF name, shape) as an HF folder stores `t`: an expert stack as one tensor per expert."""
+    if t.role == EXPERT and ".*." in t.hf_name:
+        return [(t.hf_name.replace(".*.", f".{e}."), t.shape[1:]) for e in range(t.shape[0])]
+    return [(t.hf_name, t.shape)]
+
+
+def _shards(arch: ArchSpec) -> list[list[PlannedTensor]]:
+    """The model's HF tensors grouped as the shards hold them: the embedding, each layer, the rest."""
+    def shard(t: PlannedTensor) -> str:
+        m = _LAYER.match(t.hf_name)
+        return m.group(1) if m else t.role if t.role == EMBEDDING else "head"
+
+    tensors = [t for t in arch_tensors(arch) if t.hf_name is not None]  # GGUF-only tensors (rope factors) left out
+    return [list(group) for _, group in itertools.groupby(tensors, key=shard)]
+
+
+def write_random_model(directory: Path, arch: ArchSpec, dtype: str = "bfloat16", seed: int = 0,
+                       config: dict[str, Any] | None = None) -> int:
+    """Write random weights of `arch` in `dtype`, config.json (with `config`'s keys added, e.g. token
+    ids) and the shard index into `directory` (made if missing; a tokenizer is the caller's).
+    Returns the bytes of weights written."""
     import torch
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    dtype = getattr(torch, shape.dtype)
     gen = torch.Generator().manual_seed(seed)
-    shards = [{"model.embed_tokens.weight": (shape.vocab, shape.hidden)}]
-    shards += [{f"model.layers.{i}.{name}": s for name, s in shape.layer_shapes().items()} for i in range(shape.layers)]
-    shards.append({"model.norm.weight": (shape.hidden,), "lm_head.weight": (shape.vocab, shape.hidden)})
+    shards = _shards(arch)
     weight_map: dict[str, str] = {}
     total = 0
-    for k, names in enumerate(shards, start=1):
+    for k, planned in enumerate(shards, start=1):
         file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: _tensor(s, dtype, gen) for name, s in names.items()}
+        tensors = {name: _tensor(shape, t.role, getattr(torch, dtype), gen) for t in planned for name, shape in _stored(t)}
         save_file(tensors, str(directory / file), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, file))
         del tensors
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    (directory / "config.json").write_text(json.dumps(shape.config(), indent=1))
+    (directory / "config.json").write_text(json.dumps({**arch.to_hf_config(dtype), **(config or {})}, indent=1))
     return total
 
 

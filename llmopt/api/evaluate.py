@@ -39,7 +39,8 @@ def evaluate(model: str | Path, data: str | Path, options: EvalOptions | None = 
     `ref` may be a model already loaded (`load`), to score several models against it.
     Returns the result, the gates (perplexity rise in %, top-1 agreement in %, KL in nats) and a
     JSON summary; the caller decides what a failed gate means (the CLI exits 1). `batch` windows
-    share each forward (the same numbers up to float rounding)."""
+    share each forward (the same numbers up to float rounding). `stream` (None: when the models would
+    not fit) runs them one block at a time; `on_window(done, total)` then counts blocks, then windows."""
     o = EvalOptions.merged(options, kwargs)
     _check_gates(ref, o)
     rows, _ = _rows([model], _read(data), data, ref, o, device,

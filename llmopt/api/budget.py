@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
+from llmopt.calibration.activations import DEFAULT_BUDGET
 from llmopt.calibration.samples import CalibConfig
+from llmopt.calibration.text import SELF
 from llmopt.memory import memory_budget
 from llmopt.model.arch import ArchSpec
 from llmopt.plan.footprint import BlockShape, Footprint, Workload, block_seconds, check_fits, footprint
@@ -35,12 +37,14 @@ def pipeline_workload(spec: QuantizeSpec, calibration: CalibConfig | None) -> Wo
     return Workload("quantize", m.name, n, t, spec.act_dtype.itemsize, spec.batch_size,
                     gptaq=bool(gptq is not None and gptq.fp_target > 0),
                     refit_scales=bool(gptq is not None and gptq.refit_scales), quantize_head=spec.quantize_head,
-                    bits=m.bits)  # fmt: skip
+                    bits=m.bits, self_written=calibration is not None and calibration.source == SELF)  # fmt: skip
 
 
 def sensitivity_workload(calibration: CalibConfig) -> Workload:
-    """The automatic mix's Fisher pass over its calibration samples."""
-    return Workload("sensitivity", samples=calibration.nsamples, seqlen=calibration.seqlen)
+    """The automatic mix's Fisher pass over its calibration samples (block inputs kept in memory up to
+    the activation store's budget, the rest on disk)."""
+    return Workload("sensitivity", samples=calibration.nsamples, seqlen=calibration.seqlen, kept_bytes=DEFAULT_BUDGET,
+                    self_written=calibration.source == SELF)  # fmt: skip
 
 
 def check_memory(arch: ArchSpec, works: Sequence[Workload]) -> list[Footprint]:

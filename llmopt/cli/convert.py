@@ -146,7 +146,7 @@ def _print_written(result: dict) -> None:
                   f"{auto['predicted_kld']:.5f} nats/token")  # fmt: skip
 
 
-_STAGES = {"fisher": "sensitivity: Fisher diagonal (samples)", "round": "sensitivity: every type of every tensor"}
+_STAGES = {"fisher": "sensitivity: Fisher pass, block by block (forward, head, backward and rounding)"}
 
 
 @contextmanager

@@ -130,6 +130,7 @@ class Workload:
     quantize_head: bool = False
     bits: int = 4
     kept_bytes: int = 0  # sensitivity: block inputs its forward keeps in memory before spilling to disk
+    self_written: bool = False  # calibration text written by the model itself (`--calib self`): the whole model runs
 
     @property
     def tokens(self) -> int:
@@ -182,7 +183,14 @@ def footprint(arch: ArchSpec | BlockShape, work: Workload) -> Footprint:
     make = {"quantize": _quantize, "imatrix": _imatrix, "sensitivity": _sensitivity, "eval": _eval}
     if work.command not in make:
         raise ValueError(f"no footprint model for {work.command!r}")
-    return make[work.command](shape, work)
+    fp = make[work.command](shape, work)
+    if work.self_written:  # generation holds the whole model at the calibration dtype (calibration/self_text.py)
+        whole = shape.layers * shape.params + 2 * shape.vocab * shape.hidden  # an untied head: the upper bound
+        fp.steps[SELF_WRITTEN] = whole * work.act_bytes
+    return fp
+
+
+SELF_WRITTEN = "self-written calibration"  # the step that writes `--calib self` text with the whole model
 
 
 def _codes(b: BlockShape, work: Workload) -> int:
@@ -282,9 +290,14 @@ def check_fits(fp: Footprint, available: int, where: str, levers: str) -> None:
     from llmopt.errors import OptionError
 
     step = fp.peak_step
-    need = (f"one block of this model needs {fp.summary()}" if step == "one block" else
-            f"the {step} step of this model needs {gb(fp.steps[step])} (the {step} tensor loaded whole, then "
-            f"one block {gb(fp.block_bytes)})")  # fmt: skip
+    if step == SELF_WRITTEN:  # the whole model generates: only another calibration source avoids it
+        need = f"writing calibration text with the model itself (<calib> self) holds all of it: {gb(fp.steps[step])}"
+        levers = "give <calib> a text file"
+    elif step == "one block":
+        need = f"one block of this model needs {fp.summary()}"
+    else:
+        need = (f"the {step} step of this model needs {gb(fp.steps[step])} (the {step} tensor loaded whole, then "
+                f"one block {gb(fp.block_bytes)})")  # fmt: skip
     source = "" if where == "available" else f" ({where})"
     raise OptionError(f"{need}; {gb(available)} is available{source}: {levers} or free memory")
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 import pytest
 
 from tests.cli.test_bad_input import assert_clean_failure
@@ -50,4 +52,31 @@ def test_a_block_that_cannot_fit_is_refused_before_any_work(llmopt_here, tiny_mo
     lever = "--chunks/--ctx-size" if command == "imatrix" else "--nsamples/--seqlen"
     assert_clean_failure(r, f"0.1 MiB is available: lower {lever} or free memory")
     assert "one block of this model needs" in r.stderr
+    assert list(tmp_path.glob("out*")) == []
+
+
+def test_self_written_calibration_needs_the_whole_model(llmopt_here, tmp_path, monkeypatch) -> None:
+    """`--calib self` generates with the whole model: where one block fits but the model does not, the
+    refusal says so and names the way out (a calibration file)."""
+    from llmopt import memory
+    from llmopt.api.budget import pipeline_workload
+    from llmopt.api.quantize import prepare
+    from llmopt.model import open_model
+    from llmopt.options import QuantizeOptions
+    from llmopt.plan.footprint import SELF_WRITTEN, footprint
+    from tests.factories import make_tiny_hf
+
+    deep = make_tiny_hf(tmp_path / "deep", layers=24)  # many small blocks: the model outweighs one block's work
+    flags = dict(group_size=32, nsamples=4, seqlen=32, calib_dtype="float32")
+    job = prepare(QuantizeOptions.of(**flags), torch.device("cpu"))
+    with open_model(deep) as source:
+        fp = footprint(source.arch, pipeline_workload(job.spec, job.calibration))
+    others = max(fp.block_bytes, *(v for k, v in fp.steps.items() if k != SELF_WRITTEN))
+    assert fp.steps[SELF_WRITTEN] > others
+    monkeypatch.setattr(memory, "available_memory", lambda: (fp.steps[SELF_WRITTEN] + others) // 2)
+    monkeypatch.setattr(memory, "cgroup_memory_room", lambda: None)
+    out = tmp_path / "out"
+    r = llmopt_here("quantize", deep, *(f"--{k.replace('_', '-')}={v}" for k, v in flags.items()), "-o", out)
+    assert_clean_failure(r, "give --calib a text file or free memory")
+    assert "(--calib self) holds all of it" in r.stderr
     assert list(tmp_path.glob("out*")) == []

@@ -86,6 +86,14 @@ def _rows(models: Sequence[str | Path], text: str, data: str | Path, ref: str | 
     return _loaded_rows(models, text, data, ref, o, device, on_window)
 
 
+def streams(models: Sequence[str | Path], ref: str | Path | LoadedModel | None, options: EvalOptions,
+            device: str = "auto") -> bool:
+    """Whether `evaluate` would run these models one block at a time (`_streams`): a caller that keeps a
+    reference between calls (a recipe) loads it only where it would not."""
+    dev = resolve_device(device)
+    return _streams(models, ref, options, dev, resolve_dtype(options.dtype, dev))
+
+
 def _streams(models: Sequence[str | Path], ref: str | Path | LoadedModel | None, o: EvalOptions,
              device: torch.device, dtype: torch.dtype) -> bool:  # fmt: skip
     """`stream` when given; else stream when the largest model and the reference, at the eval dtype,

@@ -22,7 +22,8 @@ from typing import Any
 import yaml
 
 from llmopt.api.convert import convert_to_gguf, convert_to_hf
-from llmopt.api.evaluate import evaluate
+from llmopt.api.evaluate import evaluate, streams
+from llmopt.options import EvalOptions
 from llmopt.api.imatrix import imatrix as compute_imatrix
 from llmopt.api.quantize import quantize
 from llmopt.errors import InputError, LlmoptError
@@ -71,7 +72,7 @@ def execute(plan: RunPlan, *, force: bool = False, device: str = "auto", on_even
               "output_dir": str(plan.out_dir)})  # fmt: skip
         manifest = _manifest_head(plan)
         result = RunResult(manifest, plan.out_dir / "manifest.json")
-        reference: list[LoadedModel] = []  # loaded at most once, when the first output is scored
+        reference: list[LoadedModel | Path] = []  # loaded at most once, when the first output is scored
         todo = [o for o in plan.outputs if force or _finished(plan, o) is None]
         if todo:
             with _lock(plan.cache_dir, wait=True):  # jobs on one machine may share a cache: one fills it
@@ -132,7 +133,7 @@ def _step(emit: Event, name: str, path: Path) -> Iterator[None]:
 
 # ---------------------------------------------------------------------------------------- outputs
 def _run_output(plan: RunPlan, o: OutputPlan, force: bool, device: str, emit: Event,
-                reference: list[LoadedModel]) -> dict[str, Any]:  # fmt: skip
+                reference: list[LoadedModel | Path]) -> dict[str, Any]:  # fmt: skip
     record = None if force else _finished(plan, o)
     eval_key = _eval_fingerprint(plan, o)
     if record is not None and (eval_key is None or record.get("eval_fingerprint") == eval_key):
@@ -200,11 +201,12 @@ def _describe(plan: RunPlan, o: OutputPlan) -> dict[str, Any]:
     return entry
 
 
-def _score(plan: RunPlan, o: OutputPlan, device: str, reference: list[LoadedModel]) -> dict[str, Any]:
+def _score(plan: RunPlan, o: OutputPlan, device: str, reference: list[LoadedModel | Path]) -> dict[str, Any]:
     ev = plan.recipe.recipe.eval
     assert ev is not None
-    if not reference:
-        reference.append(load_model(str(plan.model_path), "auto", device, False))
+    if not reference:  # loaded once for every output, unless it would not fit: then each score streams it
+        big = streams([o.target], plan.model_path, EvalOptions.of(ctx=ev.ctx, windows=ev.windows), device)
+        reference.append(plan.model_path if big else load_model(str(plan.model_path), "auto", device, False))
     g = o.spec.gates
     _, gates, summary = evaluate(o.target, plan.recipe.resolve(ev.data), ref=reference[0], ctx=ev.ctx, windows=ev.windows,
                                  max_ppl_increase=g.max_ppl_increase, max_kld=g.max_kld,

@@ -159,3 +159,26 @@ def test_bad_output_input_is_an_error_and_others_finish(llmopt_here, recipe):
     assert result.returncode == 2 and "error: 1 output(s) could not be made: q4" in result.stderr
     m = json.loads((recipe.parent / "out" / "manifest.json").read_text())
     assert m["outputs"]["q4"]["status"] == "error" and m["outputs"]["q8"]["status"] == "passed"
+
+
+def test_a_reference_that_does_not_fit_is_streamed_with_the_same_scores(llmopt_here, recipe, monkeypatch):
+    """Where the reference would not fit beside an output, the recipe does not load it: each score
+    streams both models one block at a time, with the numbers of the loaded path."""
+    from llmopt.runtime import weights
+
+    assert llmopt_here("run", recipe).returncode == 0
+    loaded = json.loads((recipe.parent / "out" / "manifest.json").read_text())
+    monkeypatch.setattr(weights, "available_memory", lambda: 1)  # nothing fits: every eval streams
+    calls = []
+    monkeypatch.setattr(weights, "load_model", lambda *a, **k: calls.append(a))
+    import llmopt.api.recipe.run as run
+
+    monkeypatch.setattr(run, "load_model", lambda *a, **k: calls.append(a))
+    recipe.write_text(recipe.read_text().replace("min_top1: 0.5", "min_top1: 0.55"))  # rescore q8 only
+    result = llmopt_here("run", recipe, "--json")
+    assert result.returncode == 0, result.stderr
+    assert calls == []
+    streamed = json.loads((recipe.parent / "out" / "manifest.json").read_text())
+    for key, value in loaded["outputs"]["q8"]["metrics"].items():
+        want = pytest.approx(value, rel=1e-5, abs=1e-4) if isinstance(value, float) else value  # abs: the % rise
+        assert streamed["outputs"]["q8"]["metrics"][key] == want, key

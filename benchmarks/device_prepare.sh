@@ -5,22 +5,14 @@
 # Run here from the repository root after `make install`; it prints the two commands to run there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=.venv/bin/python
-for d in /.whl/ /.dev/; do grep -qxF "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
-rm -rf .whl .dev && mkdir -p .whl .dev/a .dev/b
-# gguf (the format), greenlet (staged quantization), pydantic (recipes, typer): not in the image
-wanted=$($PY -m pip freeze | grep -iE '^(gguf|greenlet|pydantic|pydantic[-_]core|annotated[-_]types|typing[-_]inspection)==')
-# shellcheck disable=SC2086
-$PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl $wanted
+source benchmarks/device_wheels.sh  # .whl/ and $install
+rm -rf .dev && mkdir -p .dev/a .dev/b
 smol=$($PY -c "from llmopt.model.embedded import smollm2_gguf; print(smollm2_gguf())")
 half=$(( ($(stat -c %s "$smol") + 1) / 2 ))
 head -c "$half" "$smol" > .dev/a/smollm2.part
 tail -c +"$((half + 1))" "$smol" > .dev/b/smollm2.part
 sum=$(sha256sum "$smol" | cut -c1-64)
 du -sh .whl .dev/a .dev/b
-install='python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1'
 cat <<EOF
 Call 1 (carry .whl .dev/a; the 8B-shaped numbers, ~5 min): keeps the first half on the machine
   mkdir -p /tmp/llmopt && cp .dev/a/smollm2.part /tmp/llmopt/a && $install && python3 benchmarks/runtime_cuda.py roofline q4km gptq8b 2>&1 | tee \$OUT/roofline.jsonl

@@ -79,6 +79,7 @@ class Job:
     windows: int
     target_size: int
     llmopt: tuple[str, ...]
+    device: str = "auto"
 
     def calib_flags(self) -> list[str]:
         return ["--calib", str(self.calib), "--nsamples", str(self.nsamples), "--seqlen", str(self.seqlen)]
@@ -98,7 +99,12 @@ class Measured:
 
 # ------------------------------------------------------------------------------------------ commands
 def command_argv(name: str, job: Job) -> list[str] | str:
-    """The argv of command `name`, or why it cannot run (a string)."""
+    """The argv of command `name` (on `job.device`), or why it cannot run (a string)."""
+    argv = _command_argv(name, job)
+    return argv if isinstance(argv, str) else [*argv, "--device", job.device]
+
+
+def _command_argv(name: str, job: Job) -> list[str] | str:
     o, llmopt = job.out, list(job.llmopt)
     if name == "imatrix":
         return llmopt + ["imatrix", str(job.model), "--calib", str(job.calib), "--chunks", str(job.nsamples),
@@ -343,6 +349,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, help="write the rows here as JSON")
     ap.add_argument("--max-rss", type=float, metavar="GB", help="kill a command whose tree's RSS passes this (GiB)")
     ap.add_argument("--timeout", type=float, metavar="S", help="kill a command that runs longer than this")
+    ap.add_argument("--device", default="auto", help="every command's --device (cuda: one block on the GPU at a time)")
     args = ap.parse_args(argv)
     if min(args.nsamples, args.seqlen, args.windows) < 1:
         ap.error("--nsamples, --seqlen and --windows must be positive")
@@ -364,7 +371,8 @@ def run_depth(args: argparse.Namespace, arch: ArchSpec, layers: int, names: list
     out.mkdir(parents=True, exist_ok=True)
     calib, evaluation = write_texts(base, model, args.nsamples, args.seqlen, args.windows)
     job = Job(model, out, calib, evaluation, args.nsamples, args.seqlen, args.windows,
-              target_size=round(parameter_count(arch_tensors(depth)) * AUTOMIX_BPW / 8), llmopt=llmopt_argv())  # fmt: skip
+              target_size=round(parameter_count(arch_tensors(depth)) * AUTOMIX_BPW / 8), llmopt=llmopt_argv(),
+              device=args.device)  # fmt: skip
     rows = []
     for name in names:
         argv = command_argv(name, job)
@@ -387,7 +395,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [row for layers in sorted(plan) for row in run_depth(args, arch, layers, plan[layers])]
     finish_rows(rows)
     print_table(rows)
-    report = {"benchmark": "scale", "shape": args.shape, "config": arch.to_hf_config(DTYPE), "nsamples": args.nsamples,
+    report = {"benchmark": "scale", "shape": args.shape, "device": args.device, "config": arch.to_hf_config(DTYPE), "nsamples": args.nsamples,
               "seqlen": args.seqlen, "windows": args.windows,
               "projection": {"model": "Llama-3.1-70B", "layers": TARGET.num_layers,
                              "formula": "per_block_s * flops_ratio_70b * layers (llmopt.plan.footprint.block_work)"},

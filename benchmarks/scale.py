@@ -51,6 +51,7 @@ from llmopt.model.arch import ArchSpec  # noqa: E402
 from llmopt.plan.arch_tensors import arch_tensors, parameter_count  # noqa: E402
 from llmopt.plan.footprint import BlockShape, Workload, block_work  # noqa: E402
 from llmopt.plan.presets import get_preset  # noqa: E402
+from llmopt.api.budget import matmul_flops  # noqa: E402
 
 LLAMA_8B = get_preset("llama-3.1-8b").arch
 SHAPES = {  # Llama 3.1 8B, and its architecture (rope, GQA 4:1) at a width that runs in seconds
@@ -287,20 +288,23 @@ def per_block(row: dict, rows: list[dict]) -> tuple[float | None, str]:
     return row["wall_s"] / row["layers"], "wall/layers"
 
 
-def finish_rows(rows: list[dict]) -> None:
-    """Per-block seconds and the 70B projection, added to every row."""
+def finish_rows(rows: list[dict], matmul: float) -> None:
+    """Per-block seconds, the 70B projection and the time model's fraction (the block's FLOPs over
+    per-block seconds x this machine's float32 matmul rate `matmul`), added to every row."""
     for row in rows:
         seconds, source = per_block(row, rows)
         row["per_block_s"] = None if seconds is None else round(seconds, 3)
         row["per_block_from"] = source
         row["proj_70b_s"] = None if seconds is None else round(seconds * row["flops_ratio_70b"] * TARGET.num_layers, 1)
+        row["fraction_of_matmul"] = None if not seconds else float(f"{row['block_flops'] / (seconds * matmul):.4g}")
 
 
 def row_of(name: str, arch: ArchSpec, job: Job, m: Measured) -> dict:
     return {"command": name, "layers": arch.num_layers, "calib_tokens": calib_tokens(name, job), "status": m.status, "rc": m.rc,
             "wall_s": round(m.wall_s, 2), "peak_rss_gib": round(m.peak_rss_kib / 2**20, 3),
             "rss_anon_peak_gib": round(m.rss_anon_peak_kib / 2**20, 3), "rss_file_peak_gib": round(m.rss_file_peak_kib / 2**20, 3),
-            "error": m.error, "result": m.result, "flops_ratio_70b": round(flops_ratio(workloads(name, job), arch, TARGET), 3)}  # fmt: skip
+            "error": m.error, "result": m.result, "flops_ratio_70b": round(flops_ratio(workloads(name, job), arch, TARGET), 3),
+            "block_flops": sum(block_work(BlockShape.of(arch), w)[0] for w in workloads(name, job))}  # fmt: skip
 
 
 def print_table(rows: list[dict]) -> None:
@@ -393,9 +397,10 @@ def main(argv: list[str] | None = None) -> dict:
         for layers in args.per_command.get(name, args.depths):
             plan.setdefault(layers, []).append(name)
     rows = [row for layers in sorted(plan) for row in run_depth(args, arch, layers, plan[layers])]
-    finish_rows(rows)
+    matmul = matmul_flops()  # measured here, after the commands, as `--dry-run` measures it
+    finish_rows(rows, matmul)
     print_table(rows)
-    report = {"benchmark": "scale", "shape": args.shape, "device": args.device, "config": arch.to_hf_config(DTYPE), "nsamples": args.nsamples,
+    report = {"benchmark": "scale", "shape": args.shape, "device": args.device, "matmul_gflops": round(matmul / 1e9, 1), "config": arch.to_hf_config(DTYPE), "nsamples": args.nsamples,
               "seqlen": args.seqlen, "windows": args.windows,
               "projection": {"model": "Llama-3.1-70B", "layers": TARGET.num_layers,
                              "formula": "per_block_s * flops_ratio_70b * layers (llmopt.plan.footprint.block_work)"},

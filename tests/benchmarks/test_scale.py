@@ -17,7 +17,7 @@ from benchmarks.scale import measure
 SCALE = Path(__file__).resolve().parents[2] / "benchmarks" / "scale.py"
 ROW_FIELDS = {"command", "layers", "calib_tokens", "status", "rc", "wall_s", "peak_rss_gib", "rss_anon_peak_gib",
               "rss_file_peak_gib", "per_block_s", "per_block_from", "proj_70b_s", "flops_ratio_70b", "error", "result",
-              "argv"}  # fmt: skip
+              "argv", "block_flops", "fraction_of_matmul"}  # fmt: skip
 
 
 def test_word_tokenizer_is_exactly_as_wide_and_its_text_spans_the_vocabulary(tmp_path):
@@ -51,6 +51,7 @@ def test_tiny_shape_runs_commands_and_records_what_it_could_not_run(tmp_path):
         assert r["wall_s"] > 0 and r["peak_rss_gib"] >= r["rss_anon_peak_gib"] > 0.05
         assert r["flops_ratio_70b"] > 100  # a 70B block against a 256-wide one
         assert r["proj_70b_s"] == pytest.approx(r["per_block_s"] * r["flops_ratio_70b"] * 80, rel=1e-3)
+        assert r["fraction_of_matmul"] == pytest.approx(r["block_flops"] / (r["per_block_s"] * report["matmul_gflops"] * 1e9), rel=2e-2)
     assert rows["imatrix"]["result"]["chunks"] == 2 and rows["imatrix"]["per_block_from"] == "wall/layers"
     assert rows["gptq"]["per_block_from"] == "blocks" and len(rows["gptq"]["result"]["blocks"]) >= 2
     assert rows["eval"]["status"] == "skipped" and "no GGUF" in rows["eval"]["error"]  # convert/automix not run

@@ -23,9 +23,8 @@ from llmopt.eval.gates import NEEDS_REF, Gate, check_gates
 from llmopt.eval.pareto import Point, pareto_front, plot_kld_vs_size
 from llmopt.eval.perplexity import EvalResult, evaluate as score_loaded, score, token_windows
 from llmopt.model import ModelSource, TokenizerInfo, open_model
-from llmopt.model.quantized_dir import PackedDirSource
 from llmopt.options import EvalOptions
-from llmopt.runtime.weights import LoadedModel, device_memory, head_tied, load_model, resolve_dtype
+from llmopt.runtime.weights import LoadedModel, check_readable, device_memory, head_tied, load_model, resolve_dtype
 
 Row = tuple[EvalResult, list[Gate], dict[str, Any]]
 OnWindow = Callable[[int, int, int], None]  # (model index, done, total)
@@ -147,10 +146,10 @@ def _streamed_rows(models: Sequence[str | Path], text: str, data: str | Path, re
     with ExitStack() as stack:
         reference = None if ref is None else stack.enter_context(open_model(ref.path if isinstance(ref, LoadedModel) else ref))
         if reference is not None:
-            _check_readable(reference)
+            check_readable(reference)
         for i, model in enumerate(models):
             with open_model(model) as source:
-                _check_readable(source)
+                check_readable(source)
                 windows = _windows(text, o, (str(source.path), source.tokenizer(), source.arch.vocab_size),
                                    None if reference is None else (str(reference.path), reference.tokenizer(), reference.arch.vocab_size))  # fmt: skip
                 redo = reference is not None and (kept is None or not torch.equal(kept.windows, windows))
@@ -177,13 +176,6 @@ def _streamed_rows(models: Sequence[str | Path], text: str, data: str | Path, re
 def _head(source: ModelSource) -> str:
     """The tensor the LM head multiplies by, as the runtime decides it (`head_tied`)."""
     return "model.embed_tokens.weight" if head_tied(source) else "lm_head.weight"
-
-
-def _check_readable(source: ModelSource) -> None:
-    """A checkpoint quantized by a method llmopt does not read (its tensors would be read as floats)."""
-    if source.quantization_config and not isinstance(source, PackedDirSource):
-        method = source.quantization_config.get("quant_method", "quantized")
-        raise InputError(f"{source.path}: {method} checkpoints are not supported by the runtime")
 
 
 def weights_nbytes(path: Path) -> int:

@@ -67,6 +67,13 @@ def load_model(spec: str, dtype: str = "auto", device: str = "auto", packed: boo
         return LoadedModel(model, tok, source.kind, str(source.path), dt, dev)
 
 
+def check_readable(source: ModelSource) -> None:
+    """Refuse a checkpoint quantized by a method llmopt does not read (its tensors would read as floats)."""
+    if source.quantization_config and not isinstance(source, PackedDirSource):
+        method = source.quantization_config.get("quant_method", "quantized")
+        raise InputError(f"{source.path}: {method} checkpoints are not supported by the runtime")
+
+
 def build_decoder(source: ModelSource, dtype: torch.dtype, device: torch.device, packed: bool = True,
                   gguf_quantized: bool | None = None) -> Decoder:
     """Float tensors load in the dtype. With `packed`, a weight stored in a form the registry knows
@@ -75,9 +82,7 @@ def build_decoder(source: ModelSource, dtype: torch.dtype, device: torch.device,
     and is dequantized otherwise; a GGUF model only when `gguf_quantized` says so (None: when
     `keep_gguf_quantized`). On CPU, float linears take the row-major layout that streams weights fastest
     (see row_major.py), and the weights then move into one contiguous block (arena.py)."""
-    if source.quantization_config and not isinstance(source, PackedDirSource):
-        method = source.quantization_config.get("quant_method", "quantized")
-        raise InputError(f"{source.path}: {method} checkpoints are not supported by the runtime")
+    check_readable(source)
     keep = packed and (not isinstance(source, GGUFSource) or (
         keep_gguf_quantized(source, dtype, device) if gguf_quantized is None else gguf_quantized))
     model = assemble(source, dtype, device, keep)

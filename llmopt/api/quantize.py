@@ -119,7 +119,8 @@ def calibration_config(options: CalibrationOptions, nsamples: int) -> CalibConfi
 
 def quantize(model: str | Path, output: str | Path, options: QuantizeOptions | None = None, *, force: bool = False,
              device: str = "auto", on_block: Callable[[BlockResult, int], None] | None = None,
-             on_calibration: Callable[[int, int], None] | None = None, **kwargs: Any) -> QuantizeResult:  # fmt: skip
+             on_calibration: Callable[[int, int], None] | None = None,
+             on_step: Callable[[str, int, int], None] | None = None, **kwargs: Any) -> QuantizeResult:  # fmt: skip
     """Quantize `model` (an HF directory, GGUF file or hub id) and write it to `output`.
 
     The options (`QuantizeOptions`, or the same as keywords: `method="gptq"`, `bits=4`, ...; every one
@@ -147,7 +148,7 @@ def quantize(model: str | Path, output: str | Path, options: QuantizeOptions | N
         mix = None
         if options.target_bpw is not None:
             mix = plan_bits(source, spec, options.target_bpw, calibration_config(options, options.sensitivity_samples),
-                            device=dev, cache=cache_path(Path(output).expanduser().resolve()))  # fmt: skip
+                            device=dev, cache=cache_path(Path(output).expanduser().resolve()), on_step=on_step)  # fmt: skip
             spec = dataclasses.replace(spec, dynamic=mix.dynamic)
             check_spec(spec, job.fmt)
         tokens, calib_info = calibrate(source, spec, job.calibration, dev, on_calibration)

@@ -57,9 +57,9 @@ def quantize_command(
         return
     if output is None:
         raise OptionError("quantize needs <output> DIR (or <dry_run>)")
-    with _progress(f"{o.method_name} w{o.bits}", opts) as (on_calibration, on_block):
+    with _progress(f"{o.method_name} w{o.bits}", opts) as (on_calibration, on_block, on_step):
         result = quantize(model, output, o, force=force, device=opts.device, on_block=on_block,
-                          on_calibration=on_calibration)  # fmt: skip
+                          on_calibration=on_calibration, on_step=on_step)  # fmt: skip
     summary = result.to_dict()
     if report is not None:
         with atomic_output_file(report) as tmp:
@@ -71,8 +71,9 @@ def quantize_command(
 
 
 @contextmanager
-def _progress(label: str, opts: Settings) -> Iterator[tuple[Callable[[int, int], None], Callable[[BlockResult, int], None]]]:
-    """Progress bars for self-written calibration text and for the blocks, as (on_calibration, on_block)."""
+def _progress(label: str, opts: Settings) -> Iterator[tuple[Callable, Callable, Callable]]:
+    """Progress bars (with ETA) for self-written calibration text, the blocks and the automatic mix's
+    Fisher pass, as (on_calibration, on_block, on_step)."""
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("ETA"), TimeRemainingColumn(), console=err, transient=True, disable=opts.json) as progress:
         tasks: dict[str, TaskID] = {}
@@ -90,7 +91,12 @@ def _progress(label: str, opts: Settings) -> Iterator[tuple[Callable[[int, int],
             if opts.verbose:
                 err.print(f"{where}: {r.seconds:.2f}s")
 
-        yield on_calibration, on_block
+        def on_step(_stage: str, done: int, total: int) -> None:  # the automatic mix's Fisher pass
+            if "fisher" not in tasks:
+                tasks["fisher"] = progress.add_task("automatic mix: Fisher pass (forward, head, backward)", total=total)
+            progress.update(tasks["fisher"], completed=done, total=total)
+
+        yield on_calibration, on_block, on_step
 
 
 def print_passes(plan: dict) -> None:

@@ -35,8 +35,11 @@ def _override(qc: dict, module: str) -> tuple[int, int]:
 def test_target_bpw_mixes_bits_within_budget_and_reads_back(tiny_models, tmp_path, calib) -> None:
     model = tiny_models("llama")
     out = tmp_path / "q"
+    steps = []
     result = quantize(model, out, method="gptq", bits=4, group_size=32, calib=calib, nsamples=4, seqlen=48,
-                      target_bpw=3.6, sensitivity_samples=2)  # fmt: skip
+                      target_bpw=3.6, sensitivity_samples=2, on_step=lambda *a: steps.append(a))  # fmt: skip
+    layers = 2  # the Fisher pass's progress: each block forward, the head, each block backward, the embedding
+    assert steps == [("fisher", i, 2 * layers + 2) for i in range(1, 2 * layers + 3)]
     mix = result.automix
     assert mix is not None and mix.bits_per_weight <= 3.6 and mix.predicted_kld > 0
     assert len(mix.counts) >= 2  # a mix, not one setting

@@ -15,10 +15,10 @@ holds it:
   input stay alive for all samples at once (at the MLP's down projection: hidden x 4 + hidden x a +
   FFN x a bytes per token, a the calibration dtype's width), plus one chunk's forward temporaries;
 - the method's statistics: GPTQ's float32 Hessian [in, in] of the stage, with its working copies
-  (`HessianAccumulator.value()` mirrors it into a new tensor, `gptq_quantize` clones it, and the
-  damped matrix, its Cholesky factor, the inverse and the inverse's factor exist in turn: six
-  [in, in] float32 matrices at the peak; GPTAQ's cross term and its clone two more, refit_scales'
-  copy one more), and the stage's weights stacked, cloned and coded; AWQ holds every stage's Hessian
+  (`HessianAccumulator.value()` mirrors it in place, `gptq_quantize` clones it, and the damped
+  matrix, its Cholesky factor, the inverse and the inverse's factor exist in turn, each dropped once
+  the next exists: four [in, in] float32 matrices at the peak; GPTAQ's cross term and its clone two
+  more, refit_scales' copy one more), and the stage's weights stacked, cloned and coded; AWQ holds every stage's Hessian
   at once while its forward is paused, then each Hessian twice (read, and rescaled) during its
   search, with a few weight-sized temporaries per candidate;
 - the block's codes until the writer has them, and the writer's packed copy;
@@ -50,7 +50,7 @@ F32 = 4
 GB = 1e9
 STRIP = 256  # calibration/hessian.py's strip of the Hessian's upper triangle (its cost, below)
 GPTQ_BLOCK = 128  # gptq.py's lazy-update block of columns
-HESSIAN_COPIES = 6  # [in, in] float32 matrices alive at once in one GPTQ stage (see the module docstring)
+HESSIAN_COPIES = 4  # [in, in] float32 matrices alive at once in one GPTQ stage (see the module docstring)
 
 
 @dataclass(frozen=True)

@@ -132,11 +132,13 @@ class GPTQ:
 
 def inverse_hessian_factor(h: torch.Tensor, damp: float, damp_step: float, name: str = "") -> tuple[torch.Tensor, float]:
     """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp·mean(diag H), raising damp until it exists."""
-    while True:
+    while True:  # each [in, in] factor dropped once the next exists: two alive beside h, not four
         lower, info = torch.linalg.cholesky_ex(damped(h, damp))
         if int(info) == 0:
             inv = torch.cholesky_inverse(lower)
+            del lower
             upper, info = torch.linalg.cholesky_ex(inv, upper=True)
+            del inv
             if int(info) == 0:
                 return upper, damp
         if damp >= 1.0:
@@ -146,8 +148,10 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float, damp_step: float, name:
 
 
 def damped(h: torch.Tensor, damp: float) -> torch.Tensor:
-    """H + λI with λ = damp · mean(diag H)."""
-    return h + damp * float(torch.diag(h).mean()) * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    """H + λI with λ = damp · mean(diag H) (a copy with λ added to its diagonal: no [in, in] identity)."""
+    out = h.clone()
+    out.diagonal().add_(damp * float(torch.diag(h).mean()))
+    return out
 
 
 def check_grid(cfg: GPTQConfig, grid: Grid) -> None:
@@ -206,6 +210,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, 
         h = h[perm][:, perm]
     hinv, damp = inverse_hessian_factor(h, cfg.damp, cfg.damp_step, name)
     energy = torch.diag(h).clone()  # each column's, in processing order
+    del h  # the column loop reads only H⁻¹'s factor (and refit_scales its own copy)
 
     codes = torch.zeros(rows, cols, dtype=torch.uint8, device=w.device)
     # group of each processed (possibly permuted) column

@@ -104,6 +104,14 @@ def _terminate(signum, frame) -> None:
     raise Terminated
 
 
+def _discard_unfinished() -> None:
+    """The temporaries of outputs left unfinished by a signal (formats/atomic.py), removed on the way out
+    (none exist if that module was never loaded)."""
+    atomic = sys.modules.get("llmopt.formats.atomic")
+    if atomic is not None:
+        atomic.discard_unfinished()
+
+
 def _output_of(argv: list[str]) -> str | None:
     """The value of -o/--output(-dir) on the command line, to name what could not be written."""
     for i, arg in enumerate(argv):
@@ -144,15 +152,18 @@ def main(argv: list[str] | None = None) -> int:
         err.print(f"[bold red]error:[/] {escape(f'{shown}: {reason}')}", markup=True, soft_wrap=True)
         return 2
     except KeyboardInterrupt:
+        _discard_unfinished()
         err.print("interrupted")
         return 130
     except Terminated:
+        _discard_unfinished()
         err.print("terminated")
         return 143
     except BaseException as e:  # a bug (or a Rust panic, pyo3's PanicException): one line; -v for the traceback
         if isinstance(e, (SystemExit, GeneratorExit)):
             raise
         if _terminating:
+            _discard_unfinished()
             err.print("terminated")
             return 143
         if verbose:

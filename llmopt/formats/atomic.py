@@ -43,6 +43,23 @@ def check_output(target: Path, force: bool, directory: bool = False) -> Path:
     return target
 
 
+_UNFINISHED: set[Path] = set()  # targets whose temporaries this process made and has not committed or discarded
+
+
+def discard_unfinished() -> list[Path]:
+    """Remove every temporary this process made for a target it has not committed or discarded: what
+    the CLI does on its way out after Ctrl-C or SIGTERM, whichever line the signal landed on (even
+    between a temporary's creation and the `with` that would have removed it). The temporaries are
+    found by name (`.NAME.tmp-PID-*` beside the target), which is registered before one is made."""
+    removed = []
+    for target in list(_UNFINISHED):
+        for p in target.parent.glob(f"{_prefix(target, 'tmp')}*"):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+            removed.append(p)
+    _UNFINISHED.clear()
+    return removed
+
+
 class AtomicDir:
     """A fresh temporary folder next to `target` (`.tmp`); `commit()` makes it `target`, `discard()` removes it."""
 
@@ -50,6 +67,7 @@ class AtomicDir:
         self.target = check_output(target, force, directory=True)
         parent = _make_parent(self.target)
         remove_orphans(parent, self.target.name)
+        _UNFINISHED.add(self.target)
         try:
             self.tmp = Path(tempfile.mkdtemp(prefix=_prefix(self.target, "tmp"), dir=parent))
         except OSError as e:
@@ -68,11 +86,13 @@ class AtomicDir:
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.replace(self.tmp, self.target)
+        _UNFINISHED.discard(self.target)
         _fsync(parent)
         return self.target
 
     def discard(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
+        _UNFINISHED.discard(self.target)
 
 
 class AtomicFile:
@@ -81,6 +101,7 @@ class AtomicFile:
     def __init__(self, target: Path, force: bool = True):
         self.target = check_output(target, force)
         remove_orphans(_make_parent(self.target), self.target.name)
+        _UNFINISHED.add(self.target)
         try:
             fd, name = tempfile.mkstemp(prefix=_prefix(self.target, "tmp"), dir=self.target.parent)
         except OSError as e:
@@ -92,11 +113,13 @@ class AtomicFile:
     def commit(self) -> Path:
         _fsync(self.tmp)
         os.replace(self.tmp, self.target)
+        _UNFINISHED.discard(self.target)
         _fsync(self.target.parent)
         return self.target
 
     def discard(self) -> None:
         self.tmp.unlink(missing_ok=True)
+        _UNFINISHED.discard(self.target)
 
 
 @contextmanager

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from llmopt.formats.atomic import atomic_output_file, remove_orphans
+from llmopt.formats.atomic import AtomicDir, AtomicFile, atomic_output_file, discard_unfinished, remove_orphans
 
 
 def dead_pid() -> int:
@@ -40,6 +40,23 @@ def test_orphans_of_dead_writers_go_and_live_ones_stay(tmp_path):
 def _tree_sha(path: Path) -> str:
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
     return hashlib.sha256(b"".join(hashlib.sha256(p.read_bytes()).digest() for p in files)).hexdigest()
+
+
+def test_unfinished_temporaries_go_on_the_way_out_and_finished_ones_stay(tmp_path):
+    """A signal may land between a temporary's creation and the `with` that would remove it (the CLI
+    then calls discard_unfinished): every temporary not committed or discarded goes, and only those."""
+    left_dir, left_file = AtomicDir(tmp_path / "d"), AtomicFile(tmp_path / "f.gguf")  # never entered
+    done = AtomicFile(tmp_path / "done.gguf")
+    done.tmp.write_bytes(b"x")
+    done.commit()
+    dropped = AtomicDir(tmp_path / "e")
+    dropped.discard()
+    other = tmp_path / f".d.tmp-{os.getpid() + 1}-keep"  # another process's: not ours to remove
+    other.mkdir()
+    assert left_dir.tmp.is_dir() and left_file.tmp.is_file()
+    assert sorted(discard_unfinished()) == sorted([left_dir.tmp, left_file.tmp])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["done.gguf", other.name])
+    assert discard_unfinished() == []
 
 
 @pytest.mark.slow

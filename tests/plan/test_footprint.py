@@ -6,7 +6,7 @@ import pytest
 
 from llmopt import memory
 from llmopt.errors import OptionError
-from llmopt.plan.footprint import F32, HESSIAN_COPIES, BlockShape, Workload, block_seconds, block_tensor_shapes, check_fits, footprint
+from llmopt.plan.footprint import F32, HESSIAN_COPIES, BlockShape, gb, Workload, block_seconds, block_tensor_shapes, check_fits, footprint
 from llmopt.plan.presets import PRESETS
 
 
@@ -49,7 +49,9 @@ def test_refusal_is_one_line_naming_the_need_the_room_and_the_levers() -> None:
     with pytest.raises(OptionError) as e:
         check_fits(fp, 6 * 10**9, "cgroup limit", "lower <nsamples>/<seqlen>")
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("one block of this model needs 12.1 GB (Hessians 4.9 GB")
+    hessians = gb(HESSIAN_COPIES * 14336**2 * F32)  # the down projection's, the widest input
+    assert "\n" not in msg and msg.startswith(f"one block of this model needs {gb(fp.peak)} (")
+    assert f"Hessians {hessians}" in msg and gb(fp.peak) != gb(6 * 10**9)
     assert "for 128 x 512 tokens); 6.0 GB is available (cgroup limit): lower `nsamples`/`seqlen`" in msg
 
 

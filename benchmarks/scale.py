@@ -14,7 +14,7 @@ Commands (small calibration: --nsamples x --seqlen, default 8 x 256):
   automix  llmopt convert MODEL --to gguf --target-size SIZE --method gptq --calib calib.txt -o auto.gguf
   awq      llmopt quantize MODEL --method awq --bits 4 --calib calib.txt -o awq/
   gptq     llmopt quantize MODEL --method gptq --bits 4 --calib calib.txt -o gptq/
-  eval     llmopt eval auto.gguf q4km.gguf --ref MODEL --data eval.txt (the GGUFs that exist)
+  eval     llmopt eval auto.gguf q4km.gguf --ref MODEL --data eval.txt --stream (the GGUFs that exist)
   recipe   llmopt run release.yaml (an automatic-mix GGUF, a GPTQ and an AWQ output, scored on eval.txt)
 
 Per-block seconds: the command's own block timings where its JSON has them (quantize), else the
@@ -124,8 +124,10 @@ def _command_argv(name: str, job: Job) -> list[str] | str:
         ggufs = [str(o / f) for f in ("auto.gguf", "q4km.gguf") if (o / f).is_file()]
         if not ggufs:
             return "no GGUF to evaluate (automix and convert failed or were not run at this depth)"
+        # --stream: what the automatic choice does at full depth (8B in float32 exceeds 3/4 of a 24-48 GB
+        # machine); a shallow model of the same width would be loaded whole and measure the other path
         return llmopt + ["eval", *ggufs, "--ref", str(job.model), "--data", str(job.eval_text), "--ctx", str(job.seqlen),
-                         "--windows", str(job.windows), "--json"]  # fmt: skip
+                         "--windows", str(job.windows), "--stream", "--json"]  # fmt: skip
     if name == "recipe":
         return llmopt + ["run", str(write_recipe(job)), "-o", str(o / "recipe"), "--force", "--json"]
     raise ValueError(name)

@@ -139,7 +139,9 @@ def write_recipe(job: Job) -> Path:
     recipe = {
         "model": str(job.model), "name": "scale",
         "calibration": {"data": str(job.calib), "nsamples": job.nsamples, "seqlen": job.seqlen, "seed": 0},
-        "eval": {"data": str(job.eval_text), "windows": job.windows, "ctx": job.seqlen},
+        # streamed as at full depth, where the automatic choice streams (an 8B model in float32 does
+        # not fit in 3/4 of 24 GB); at a few layers it would load the reference and each output whole
+        "eval": {"data": str(job.eval_text), "windows": job.windows, "ctx": job.seqlen, "stream": True},
         "outputs": {
             "auto": {"format": "gguf", "target_size": str(job.target_size), "method": "gptq", "sensitivity_samples": job.nsamples},
             "gptq": {"format": "gptq", "method": "gptq", "bits": 4},

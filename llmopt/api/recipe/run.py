@@ -205,10 +205,10 @@ def _score(plan: RunPlan, o: OutputPlan, device: str, reference: list[LoadedMode
     ev = plan.recipe.recipe.eval
     assert ev is not None
     if not reference:  # loaded once for every output, unless it would not fit: then each score streams it
-        big = streams([o.target], plan.model_path, EvalOptions.of(ctx=ev.ctx, windows=ev.windows), device)
+        big = streams([o.target], plan.model_path, EvalOptions.of(ctx=ev.ctx, windows=ev.windows, stream=ev.stream), device)
         reference.append(plan.model_path if big else load_model(str(plan.model_path), "auto", device, False))
     g = o.spec.gates
-    _, gates, summary = evaluate(o.target, plan.recipe.resolve(ev.data), ref=reference[0], ctx=ev.ctx, windows=ev.windows,
+    _, gates, summary = evaluate(o.target, plan.recipe.resolve(ev.data), ref=reference[0], ctx=ev.ctx, windows=ev.windows, stream=ev.stream,
                                  max_ppl_increase=g.max_ppl_increase, max_kld=g.max_kld,
                                  min_top1=None if g.min_top1 is None else 100 * g.min_top1, device=device)  # fmt: skip
     metrics = {k: summary.get(k) for k in ("perplexity", "ref_perplexity", "ppl_increase_pct", "kl_divergence",
@@ -221,7 +221,7 @@ def _eval_fingerprint(plan: RunPlan, o: OutputPlan) -> str | None:
     ev = plan.recipe.recipe.eval
     if ev is None:
         return None
-    return canonical_sha256([o.fingerprint, ev.model_dump(exclude={"data"}), plan.hashes.sha256(plan.recipe.resolve(ev.data)),
+    return canonical_sha256([o.fingerprint, ev.model_dump(exclude={"data", "stream"}), plan.hashes.sha256(plan.recipe.resolve(ev.data)),
                              o.spec.gates.model_dump()])  # fmt: skip
 
 

@@ -197,12 +197,12 @@ RECIPE_KEYS = {**{d.name: d.spec.recipe for g in (QuantizeOptions, GgufOptions, 
 
 
 class _Eval(_Strict):
-    """The text the gates score on: `windows` windows of `ctx` tokens."""
+    """The text the gates score on: `windows` windows of `ctx` tokens; `stream` as `llmopt eval --stream`."""
 
     data: str
 
 
-Eval = create_model("Eval", __base__=_Eval, **{k: v for k, v in _fields(EvalOptions).items() if k in ("windows", "ctx")})
+Eval = create_model("Eval", __base__=_Eval, **{k: v for k, v in _fields(EvalOptions).items() if k in ("windows", "ctx", "stream")})
 
 
 class Recipe(_Strict):

@@ -182,3 +182,25 @@ def test_a_reference_that_does_not_fit_is_streamed_with_the_same_scores(llmopt_h
     for key, value in loaded["outputs"]["q8"]["metrics"].items():
         want = pytest.approx(value, rel=1e-5, abs=1e-4) if isinstance(value, float) else value  # abs: the % rise
         assert streamed["outputs"]["q8"]["metrics"][key] == want, key
+
+
+def test_eval_stream_in_the_recipe_streams_and_changes_no_fingerprint(llmopt_here, recipe, monkeypatch):
+    """`eval: {stream: true}` streams every score though the reference fits (a benchmark at a few layers
+    of a big model wants the full-depth path), and, as it changes no number, finished scores stay."""
+    import llmopt.api.recipe.run as run
+
+    assert llmopt_here("run", recipe).returncode == 0
+    loaded = json.loads((recipe.parent / "out" / "manifest.json").read_text())
+    calls = []
+    monkeypatch.setattr(run, "load_model", lambda *a, **k: calls.append(a))
+    recipe.write_text(recipe.read_text().replace("ctx: 32}", "ctx: 32, stream: true}"))
+    result = llmopt_here("run", recipe, "--json")
+    assert result.returncode == 0, result.stderr
+    assert {e["name"]: e["status"] for e in events(result.stdout) if e["event"] == "output"} == dict.fromkeys(loaded["outputs"], "skipped")
+    recipe.write_text(recipe.read_text().replace("min_top1: 0.5", "min_top1: 0.55"))  # rescore q8 only
+    assert llmopt_here("run", recipe, "--json").returncode == 0
+    assert calls == []
+    streamed = json.loads((recipe.parent / "out" / "manifest.json").read_text())
+    for key, value in loaded["outputs"]["q8"]["metrics"].items():
+        want = pytest.approx(value, rel=1e-5, abs=1e-4) if isinstance(value, float) else value
+        assert streamed["outputs"]["q8"]["metrics"][key] == want, key

@@ -9,8 +9,9 @@ before the command (VmHWM - VmRSS: the working set the footprint model predicts)
 the time model's constants are fitted by least squares over the widths: seconds per block =
 FLOPs / (fraction x this machine's matmul rate) + GPTQ columns x per-column seconds.
 
-Prints one row per (command, width) and the fitted constants as JSON (paste them into
-footprint.EFFICIENCY with the line MEASURED).
+Prints one row per (command, width) and the fitted constants as JSON. These small widths show how
+the fraction climbs with width (latency and the column loop weigh more at 1-2k); the constants the
+dry run projects with (footprint.EFFICIENCY) are measured at the 8B shape by benchmarks/scale.py.
 
 Usage: python benchmarks/time_model.py [--widths 1024 1536 2048] [--nsamples 16 --seqlen 256]
 """

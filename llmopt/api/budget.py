@@ -22,6 +22,7 @@ from llmopt.calibration.text import SELF
 from llmopt.memory import memory_budget
 from llmopt.model.arch import ArchSpec
 from llmopt.plan.footprint import BlockShape, Footprint, Workload, block_seconds, check_fits, footprint
+from llmopt.plan.gpus import GPUS
 from llmopt.quant.pipeline import QuantizeSpec
 
 # What lowers each pass's footprint, as the refusal names it (options as <field>: the CLI shows flags)
@@ -72,6 +73,11 @@ def matmul_flops() -> float:
     return 2.0 * n**3 / best
 
 
+# The GPU a dry run also projects to: the same FLOPs at its dense bf16 peak and this machine's fraction
+# (a lower bound: GPTQ's column loop and the transfers of each block are latency, not arithmetic)
+PROJECTED_GPU = GPUS["h100-80g"]
+
+
 def dry_run(arch: ArchSpec, works: Sequence[Workload]) -> dict[str, Any]:
     """What each pass would hold and take, for `--dry-run`: the same footprints the refusal compares."""
     available, where = memory_budget()
@@ -80,9 +86,11 @@ def dry_run(arch: ArchSpec, works: Sequence[Workload]) -> dict[str, Any]:
     for w in works:
         fp = footprint(shape, w)
         per_block = block_seconds(shape, w, matmul_flops())
+        on_gpu = block_seconds(shape, w, PROJECTED_GPU.bf16_tflops * 1e12)
         name = w.method if w.command == "quantize" else w.command
         passes.append({"pass": name, "blocks": arch.num_layers, "samples": w.samples, "seqlen": w.seqlen,
                        "calibration_tokens": w.tokens, "memory": fp.summary(), "footprint": fp.to_dict(),
                        "fits": fp.peak <= available, "seconds_per_block": per_block,
-                       "seconds": None if per_block is None else per_block * arch.num_layers})  # fmt: skip
+                       "seconds": None if per_block is None else per_block * arch.num_layers,
+                       "gpu": PROJECTED_GPU.name, "gpu_seconds": None if on_gpu is None else on_gpu * arch.num_layers})  # fmt: skip
     return {"available_bytes": available, "available_from": where, "passes": passes}

@@ -111,7 +111,7 @@ def print_passes(plan: dict) -> None:
                      f"; the {p['footprint']['peak_step']} step needs {gb(p['footprint']['peak_bytes'])}"))  # fmt: skip
         if p["seconds"] is not None:
             out.print(f"  time: about {p['seconds_per_block']:.1f} s per block, {duration(p['seconds'])} in all "
-                      "(estimated for this machine)")  # fmt: skip
+                      f"(estimated for this machine); on an {p['gpu']}, at least {duration(p['gpu_seconds'])}")  # fmt: skip
 
 
 def duration(seconds: float) -> str:

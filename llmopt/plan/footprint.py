@@ -312,10 +312,18 @@ class Efficiency:
     per_column: float = 0.0  # seconds per GPTQ column
 
 
-# Measured by benchmarks/time_model.py (see MEASURED); sensitivity is not measured: its streamed Fisher
-# pass is ~3.5 forwards and a rounding of each tensor to each candidate, at the forward's efficiency.
-EFFICIENCY: dict[str, Efficiency] = {}
-MEASURED = ""
+# Measured at the size people run: benchmarks/scale.py on the Llama-3.1-8B shape (random bf16, 8 x 256
+# calibration tokens), each fraction against the matmul rate the same run measured (see MEASURED).
+# At 8B the matmuls dominate, so GPTQ's column loop is inside the fraction (per_column 0); the small
+# widths of benchmarks/time_model.py give lower fractions (latency-bound), not the ones to project with.
+EFFICIENCY: dict[str, Efficiency] = {
+    "imatrix": Efficiency(0.237),  # 32 layers, 19.0 s per block
+    "gptq": Efficiency(0.307),  # quantize --method gptq, 1 layer: the pipeline's own 117.8 s per block
+    "awq+gptq": Efficiency(0.45),  # convert --type Q4_K_M --method awq+gptq, 1 layer: 502 s wall
+    "sensitivity": Efficiency(0.20),  # the automatic mix's Fisher pass: 52.0 s per block (1 vs 2 layers)
+    "awq": Efficiency(0.60),  # quantize --method awq, 1 layer: the pipeline's own 277.0 s per block
+}
+MEASURED = "benchmarks/scale.py, Llama-3.1-8B shape, 8 x 256 tokens, 2-core x86 (see docs/big-models.md)"
 
 
 def forward_flops(b: BlockShape, work: Workload) -> float:
@@ -365,8 +373,6 @@ def block_work(b: BlockShape, work: Workload) -> tuple[float, int]:
 
 def efficiency(work: Workload) -> Efficiency | None:
     method = work.method if work.command == "quantize" else work.command
-    if method == "sensitivity" or method == "eval":
-        return EFFICIENCY.get("imatrix")
     return EFFICIENCY.get(method)
 
 

@@ -24,6 +24,8 @@ def test_quantize_dry_run_writes_nothing(llmopt_here, tiny_models, tmp_path, cal
     plan = json.loads(r.stdout)
     assert [p["pass"] for p in plan["passes"]] == ["sensitivity", "gptq"] and plan["passes"][1]["fits"]
     assert plan["passes"][1]["calibration_tokens"] == 128 * 512
+    gptq = plan["passes"][1]  # the time model's measured fraction: this machine's time and a GPU's lower bound
+    assert gptq["seconds"] > 0 and 0 < gptq["gpu_seconds"] < gptq["seconds"] and gptq["gpu"] == "h100-80g"
 
 
 def test_convert_and_imatrix_dry_runs_show_the_passes(llmopt_here, tiny_models, tmp_path, calib_txt) -> None:

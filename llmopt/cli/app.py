@@ -5,6 +5,7 @@ Exit codes: 0 success, 1 a quality gate or check failed, 2 bad input or usage, 3
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import signal
@@ -142,13 +143,19 @@ def main(argv: list[str] | None = None) -> int:
         err.print(f"[bold red]error:[/] {escape(e.format_message() + hint)}", markup=True, soft_wrap=True)
         return 2
     except LlmoptError as e:
+        _discard_unfinished()
         message = e.render(flag) if isinstance(e, OptionError) else str(e)
         err.print(f"[bold red]error:[/] {escape(message)}", markup=True, soft_wrap=True)
         return e.exit_code
     except OSError as e:  # the file system said no (disk full, read-only, ...): the input's fault, not ours
+        _discard_unfinished()
         where = e.filename if e.filename is not None else _output_of(argv)
+        atomic = sys.modules.get("llmopt.formats.atomic")
+        where = atomic.target_of(os.fsdecode(where)) if atomic is not None and where is not None else where
         shown = os.fsencode(where).decode("utf-8", "backslashreplace") if where is not None else "writing"
         reason = e.strerror or f"cannot write ({e})"
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            reason += " (nothing was written under this name; free space and run again)"
         err.print(f"[bold red]error:[/] {escape(f'{shown}: {reason}')}", markup=True, soft_wrap=True)
         return 2
     except KeyboardInterrupt:

@@ -1,7 +1,10 @@
 """Outputs appear whole or not at all: write under a temporary name beside the target, then rename.
 
 `check_output` is the one "may I write here?" rule (refused when the target exists, unless
-`force`; an empty folder counts as free). `AtomicDir` / `AtomicFile` hold the temporary name for a
+`force`; an empty folder counts as free); `check_free_space` refuses, before any work, an output
+whose planned size the target's file system has no room for. A disk that fills anyway during the
+write (another writer) raises ENOSPC; the temporary is removed on the way out (the CLI's one
+line, exit 2), so a full disk never leaves a file under the final name. `AtomicDir` / `AtomicFile` hold the temporary name for a
 writer that works in steps (a sink fed block by block); `atomic_output_dir` / `atomic_output_file`
 wrap them for code that writes in one go.
 
@@ -43,6 +46,24 @@ def check_output(target: Path, force: bool, directory: bool = False) -> Path:
     return target
 
 
+def check_free_space(target: Path, planned_bytes: int | None) -> None:
+    """A one-line InputError when the file system holding `target` has less free space than the
+    output's planned size (unknown sizes, and file systems that will not say, pass)."""
+    if not planned_bytes:
+        return
+    try:
+        usage = shutil.disk_usage(target.parent)
+    except OSError:
+        return
+    if usage.total and planned_bytes > usage.free:  # (pseudo file systems report a total of 0)
+        raise InputError(f"{target}: the output needs {_size(planned_bytes)} and {target.parent} has "
+                         f"{_size(usage.free)} free (free space or write elsewhere with -o)")  # fmt: skip
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
 _UNFINISHED: set[Path] = set()  # targets whose temporaries this process made and has not committed or discarded
 
 
@@ -63,9 +84,10 @@ def discard_unfinished() -> list[Path]:
 class AtomicDir:
     """A fresh temporary folder next to `target` (`.tmp`); `commit()` makes it `target`, `discard()` removes it."""
 
-    def __init__(self, target: Path, force: bool = False):
+    def __init__(self, target: Path, force: bool = False, planned_bytes: int | None = None):
         self.target = check_output(target, force, directory=True)
         parent = _make_parent(self.target)
+        check_free_space(self.target, planned_bytes)
         remove_orphans(parent, self.target.name)
         _UNFINISHED.add(self.target)
         try:
@@ -98,9 +120,10 @@ class AtomicDir:
 class AtomicFile:
     """A temporary file next to `target` (`.tmp`); `commit()` renames it to `target`, `discard()` removes it."""
 
-    def __init__(self, target: Path, force: bool = True):
+    def __init__(self, target: Path, force: bool = True, planned_bytes: int | None = None):
         self.target = check_output(target, force)
         remove_orphans(_make_parent(self.target), self.target.name)
+        check_free_space(self.target, planned_bytes)
         _UNFINISHED.add(self.target)
         try:
             fd, name = tempfile.mkstemp(prefix=_prefix(self.target, "tmp"), dir=self.target.parent)
@@ -133,9 +156,9 @@ def _committed(out: AtomicDir | AtomicFile) -> Iterator[Path]:
     out.commit()
 
 
-def atomic_output_dir(target: Path, force: bool = False) -> AbstractContextManager[Path]:
+def atomic_output_dir(target: Path, force: bool = False, planned_bytes: int | None = None) -> AbstractContextManager[Path]:
     """A fresh temporary directory next to `target`; on success it becomes `target`."""
-    return _committed(AtomicDir(target, force))
+    return _committed(AtomicDir(target, force, planned_bytes))
 
 
 def atomic_output_file(target: Path, force: bool = True) -> AbstractContextManager[Path]:
@@ -161,6 +184,17 @@ def remove_orphans(folder: Path, name: str | None = None) -> list[Path]:
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
         removed.append(p)
     return removed
+
+
+def target_of(path: str) -> str:
+    """The output a temporary path stands for (`DIR/.NAME.tmp-PID-X/part` -> `DIR/NAME`), for messages
+    that should name what the user asked for; other paths unchanged."""
+    parts = Path(path).parts
+    for i, part in enumerate(parts):
+        m = _TEMP.match(part)
+        if m is not None:
+            return str(Path(*parts[:i], m.group("name")))
+    return path
 
 
 def _alive(pid: int) -> bool:

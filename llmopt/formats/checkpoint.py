@@ -147,7 +147,7 @@ class CheckpointWriter:
         self.source, self.spec, self.layout = source, spec, layout(fmt)
         self.provenance = provenance or {}
         self.plan, self.producer = plan_tensors(source, spec, fmt)
-        self.dir = AtomicDir(out, force)
+        self.dir = AtomicDir(out, force, planned_bytes=sum(t.nbytes for t in self.plan))
         metadata = {"format": "pt", "producer": f"llmopt {llmopt.__version__}", "source": source.path.name}
         self.shards = ShardedWriter(self.dir.tmp, self.plan, max_shard_bytes, metadata)
         self.held: dict[str, QuantizedTensor] = {}  # results added but not yet written

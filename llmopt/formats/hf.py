@@ -58,7 +58,7 @@ def write_hf_dir(source: ModelSource, out: Path, dtype: str = "float16", max_sha
         if on_tensor:
             on_tensor(t.name, t.nbytes)
 
-    with atomic_output_dir(out, force=force) as tmp:
+    with atomic_output_dir(out, force=force, planned_bytes=sum(t.nbytes for t in plan)) as tmp:
         metadata = {"format": "pt", "producer": f"llmopt {llmopt.__version__}", "source": source.path.name}
         write_sharded(tmp, plan, produce, max_shard_bytes, metadata, done)
         config = arch.to_hf_config(dtype)

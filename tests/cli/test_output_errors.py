@@ -3,11 +3,14 @@ naming the output, and nothing left behind."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import resource
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.cli.test_bad_input import assert_clean_failure
 
@@ -36,3 +39,51 @@ def test_output_name_not_utf8(llmopt_here, tiny_models, tmp_path):
 def test_output_where_nothing_can_be_created(llmopt_here, tiny_models):
     assert_clean_failure(llmopt_here("convert", tiny_models("llama"), "--to", "gguf", "--type", "Q8_0", "-o", "/proc/model.gguf"),
                          "/proc/model.gguf: cannot write here")
+
+
+def _faulty(*args, fault: list[str], cwd=None) -> subprocess.CompletedProcess:
+    """llmopt ARGS with a fault set up first (tests/faults.py)."""
+    return subprocess.run([sys.executable, "-m", "tests.faults", *fault, "--", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env={**os.environ, "COLUMNS": "200", "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}, timeout=600)  # fmt: skip
+
+
+ROOT = str(Path(__file__).resolve().parents[2])
+DISK_FILLS = ["--enospc-after", "20000", "--match", ".tmp-"]  # the disk fills 20 kB into the output
+
+
+def test_disk_fills_during_convert_and_quantize(tiny_models, tmp_path):
+    model = tiny_models("llama")
+    for args, out in ((["convert", model, "--to", "gguf", "--type", "Q8_0"], tmp_path / "out.gguf"),
+                      (["convert", model, "--to", "hf"], tmp_path / "out"),
+                      (["quantize", model, "--method", "rtn", "--bits", "4", "--group-size", "32"], tmp_path / "gptq")):  # fmt: skip
+        proc = _faulty(*args, "-o", out, fault=DISK_FILLS)
+        assert_clean_failure(proc, f"error: {out}: No space left on device (nothing was written under this name")
+        assert list(tmp_path.iterdir()) == []  # neither the output nor a temporary
+
+
+def test_no_room_before_the_write_starts(tiny_models, tmp_path):
+    out = tmp_path / "out.gguf"
+    proc = _faulty("convert", tiny_models("llama"), "--to", "gguf", "--type", "F16", "-o", out, fault=["--free", "1000"])  # 1 kB free
+    assert_clean_failure(proc, f"{out}: the output needs ")
+    assert "has 0.0 MB free (free space or write elsewhere with -o)" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_disk_fills_in_a_recipe_keeps_the_finished_output(tiny_models, tmp_path):
+    (tmp_path / "release.yaml").write_text(f"""\
+model: {tiny_models("llama")}
+outputs:
+  first: {{format: gguf, type: Q8_0}}
+  second: {{format: gguf, type: F16}}
+""")
+    proc = _faulty("run", "release.yaml", "-o", "out", cwd=tmp_path, fault=["--enospc-after", "20000", "--match", "second"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "output second was not written" in errors[0] and "No space left on device" in errors[0]
+    out = tmp_path / "out"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert list(manifest["outputs"]) == ["first"]
+    (entry,) = manifest["outputs"].values()
+    first = out / entry["path"]
+    assert hashlib.sha256(first.read_bytes()).hexdigest() == entry["sha256"]
+    assert not any("second" in p.name for p in out.rglob("*") if p.is_file() and "first" not in p.parts)

@@ -163,10 +163,10 @@ class GGUFWriter:
         self.layers_added: set[int] = set()
         self.next = 0
         self.read_since_release = 0  # bytes of the source read since its file pages were last dropped
-        self.out = AtomicFile(Path(output), force)
+        header = plan.header if plan.header and plan.header_key == plan.key() else _render_header(source, plan)
+        self.out = AtomicFile(Path(output), force, planned_bytes=aligned(len(header), plan.alignment) + plan.data_nbytes)
         self.file = open(self.out.tmp, "wb")
         self.path: Path | None = None
-        header = plan.header if plan.header and plan.header_key == plan.key() else _render_header(source, plan)
         self.file.write(header)  # then each tensor at the next multiple of the alignment, as GGUFWriter does
         _load_kernels_first(plan, weighted=importance is not None)
 
@@ -210,7 +210,7 @@ class GGUFWriter:
             if data.nbytes != planned.nbytes:
                 raise InputError(f"{planned.gguf_name}: encoded {data.nbytes} bytes, planned {planned.nbytes}")
             f.write(bytes(aligned(f.tell(), self.plan.alignment) - f.tell()))
-            data.tofile(f)
+            f.write(memoryview(np.ascontiguousarray(data)).cast("B"))  # through the file object (not its descriptor)
             del data
             self.next += 1
             if self.on_tensor is not None:

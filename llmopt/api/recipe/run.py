@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import resource
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -154,6 +156,10 @@ def _run_output(plan: RunPlan, o: OutputPlan, force: bool, device: str, emit: Ev
     except LlmoptError as e:
         emit({"event": "output", "name": o.name, "status": "error", "error": str(e)})
         return {"name": o.name, "format": o.spec.format, "status": "error", "error": str(e)}
+    except OSError as e:  # a full disk, a file system that refuses: the run stops; finished outputs stay as they are
+        emit({"event": "output", "name": o.name, "status": "error", "error": e.strerror or str(e)})
+        raise InputError(f"{o.target}: {e.strerror or e} (output {o.name} was not written; the finished outputs "
+                         "and the manifest stay)") from None  # fmt: skip
     entry["seconds"] = round(time.perf_counter() - start, 3)
     entry["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     card = model_card({**_manifest_head(plan), "outputs": {o.name: entry}}, o.name, _entry_text(plan, o.name))
@@ -260,13 +266,20 @@ def _entry_text(plan: RunPlan, name: str) -> str:
 # ------------------------------------------------------------------------------ folder ownership
 @contextmanager
 def _lock(folder: Path, wait: bool = False) -> Iterator[None]:
-    """Hold `folder/.lock` (flock: released by the kernel when a killed process dies)."""
+    """Hold `folder/.lock` (flock: released by the kernel when a killed process dies, so a lock left by
+    a dead run is simply taken). The holder writes who it is into the file; a second run names it."""
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "w") as f:
+    with open(folder / ".lock", "a+") as f:  # not "w": that would erase the holder's name before asking
         try:
             fcntl.flock(f, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            raise InputError(f"{folder.parent}: another llmopt run is using this output folder") from None
+            f.seek(0)
+            holder = f.read(200).strip() or "another llmopt run"
+            raise InputError(f"{folder.parent}: this output folder is in use by {holder} (lock {f.name})") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"llmopt run (pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')})")
+        f.flush()
         yield
 
 

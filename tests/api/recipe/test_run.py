@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -204,3 +205,15 @@ def test_eval_stream_in_the_recipe_streams_and_changes_no_fingerprint(llmopt_her
     for key, value in loaded["outputs"]["q8"]["metrics"].items():
         want = pytest.approx(value, rel=1e-5, abs=1e-4) if isinstance(value, float) else value
         assert streamed["outputs"]["q8"]["metrics"][key] == want, key
+
+
+def test_a_second_run_on_the_folder_names_the_holder_and_a_dead_ones_lock_is_taken(llmopt_here, recipe):
+    from llmopt.api.recipe.run import _lock
+
+    state = recipe.parent / "out" / ".llmopt-run"
+    with _lock(state):
+        result = llmopt_here("run", recipe, "--only", "q8")
+    assert_clean_failure(result, f"{recipe.parent / 'out'}: this output folder is in use by llmopt run (pid {os.getpid()} on ")
+    # a run killed with -9 leaves its name in the file but no lock: the next run goes ahead
+    (state / ".lock").write_text("llmopt run (pid 999999999 on elsewhere, since 2026-01-01 00:00:00)")
+    assert llmopt_here("run", recipe, "--only", "q8").returncode == 0

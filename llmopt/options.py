@@ -213,9 +213,17 @@ class ShardOptions(Options):
     max_shard_size: str = option("5GB", "Largest safetensors shard, e.g. 5GB, 500MB.")
 
 
+@_options
+class ResumeOptions(Options):
+    """Going on after a killed calibrated run (formats/resume.py)."""
+
+    resume: bool = option(False, "Calibrated methods: continue a killed run of the same command from its last finished "
+                                 "block (each block's result is kept beside the output until it is written).")
+
+
 # ----------------------------------------------------------------------------------------- commands
 @_options
-class QuantizeOptions(CalibrationOptions, RoundingOptions, AutomixOptions, ShardOptions):
+class QuantizeOptions(CalibrationOptions, RoundingOptions, AutomixOptions, ShardOptions, ResumeOptions):
     """`llmopt quantize`: a GPTQ/AWQ (or dense) checkpoint made layer by layer (a recipe's gptq/awq/dense output)."""
 
     command: ClassVar[str] = "quantize"
@@ -247,7 +255,7 @@ class QuantizeOptions(CalibrationOptions, RoundingOptions, AutomixOptions, Shard
 
 
 @_options
-class GgufOptions(CalibrationOptions, RoundingOptions, AutomixOptions):
+class GgufOptions(CalibrationOptions, RoundingOptions, AutomixOptions, ResumeOptions):
     """`llmopt convert --to gguf`: a llama.cpp type or mix, by llama.cpp's searches or a calibrated method."""
 
     command: ClassVar[str] = "convert --to gguf"

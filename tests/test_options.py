@@ -51,7 +51,7 @@ def test_api_defaults_are_the_declared_ones(group) -> None:
 
 
 def test_recipe_defaults_and_ranges_are_the_declared_ones() -> None:
-    from llmopt.api.recipe.schema import CALIBRATION
+    from llmopt.api.recipe.schema import CALIBRATION, RUN
     from llmopt.options import CalibrationOptions
 
     for group, fields in _recipe_fields().items():
@@ -64,7 +64,7 @@ def test_recipe_defaults_and_ranges_are_the_declared_ones() -> None:
                 assert fields[key].is_required()
                 continue
             if key not in fields:
-                assert d.name in CALIBRATION | {"fmt", "imatrix"} or group is CalibrationOptions, d.name
+                assert d.name in CALIBRATION | RUN | {"fmt", "imatrix"} or group is CalibrationOptions, d.name
                 continue
             f = fields[key]
             assert (tuple(f.default) if isinstance(f.default, list) else f.default) == d.default, key

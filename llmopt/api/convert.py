@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from llmopt.api.budget import check_memory, dry_run, pipeline_workload, sensitivity_workload
-from llmopt.api.quantize import QuantizeResult, calibrate, calibration_config, feed, layer_row, provenance
+from llmopt.api.quantize import QuantizeResult, calibrate, calibration_config, feed, layer_row, provenance, resume_log
 from llmopt.calibration.samples import CalibConfig
 from llmopt.device import resolve_calib_dtype, resolve_device
 from llmopt.errors import OptionError
@@ -155,6 +155,7 @@ def convert_to_gguf(model: str | Path, output: str | Path, mix: str | None = Non
     if result is not None:
         summary["calibration"] = result.calibration
         summary["layers"] = [layer_row(r) for r in result.reports]
+        summary["resumed_blocks"] = result.resumed_blocks
     return summary
 
 
@@ -192,10 +193,14 @@ def _write_gguf(source: ModelSource, output: Path, job: GgufJob, prov: Provenanc
         return plan, auto, write_gguf(source, output, plan, importance=importance, force=True, on_tensor=events.on_tensor), None
     spec = dataclasses.replace(spec, grids=grids_for(plan))
     result = QuantizeResult(output, spec, "gguf", calib_info, 0.0)
+    log = resume_log(source, spec, tokens, dev, output, o.resume)
     with GGUFWriter(source, output, plan, importance=importance, computed=quantized_modules(source, spec), force=True,
                     on_tensor=events.on_tensor) as writer:  # fmt: skip
-        feed(source, spec, tokens, dev, writer, result, events.on_block)
-        return plan, auto, writer.finish(), result
+        feed(source, spec, tokens, dev, writer, result, events.on_block, log)
+        final = writer.finish()
+    if log is not None:
+        log.remove()
+    return plan, auto, final, result
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ writer (formats/checkpoint.py), which streams it to disk.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from llmopt.plan.gptq_automix import BitsMix, plan_bits
 from llmopt.plan.sensitivity import cache_path
 from llmopt.formats.hf import parse_size
 from llmopt.model import ModelSource, open_model
+from llmopt.formats.resume import ResumeLog, run_key
 from llmopt.quant.pipeline import BlockResult, LayerReport, QuantizeSpec, quantize_model
 from llmopt.options import CalibrationOptions, QuantizeOptions
 from llmopt.quant.spec import build_spec, check_shapes, default_sym
@@ -45,6 +47,7 @@ class QuantizeResult:
     reports: list[LayerReport] = field(default_factory=list)
     block_seconds: list[tuple[int, float]] = field(default_factory=list)  # (layer, seconds); -1 is the head
     automix: BitsMix | None = None  # per-module bits chosen for a target bits/weight
+    resumed_blocks: int = 0  # blocks a killed run had finished (--resume), written from its progress folder
 
     def to_dict(self) -> dict[str, Any]:
         m = self.spec.method
@@ -53,6 +56,7 @@ class QuantizeResult:
                 "calibration": self.calibration, "seconds": round(self.seconds, 2),
                 "layers": [layer_row(r) for r in self.reports],
                 "blocks": [{"layer": layer, "seconds": round(s, 3)} for layer, s in self.block_seconds],
+                "resumed_blocks": self.resumed_blocks,
                 **({"automix": self.automix.to_dict()} if self.automix is not None else {})}  # fmt: skip
 
 
@@ -153,10 +157,13 @@ def quantize(model: str | Path, output: str | Path, options: QuantizeOptions | N
             check_spec(spec, job.fmt)
         tokens, calib_info = calibrate(source, spec, job.calibration, dev, on_calibration)
         result = QuantizeResult(Path(output), spec, job.fmt, calib_info, 0.0, automix=mix)
+        log = resume_log(source, spec, tokens, dev, Path(output), options.resume)
         with CheckpointWriter(source, spec, Path(output), job.fmt, provenance(spec, calib_info), force,
                               job.shard_bytes) as writer:  # fmt: skip
-            feed(source, spec, tokens, dev, writer, result, on_block)
+            feed(source, spec, tokens, dev, writer, result, on_block, log)
             result.output = writer.finish()
+        if log is not None:
+            log.remove()
     result.seconds = time.perf_counter() - start
     return result
 
@@ -178,11 +185,25 @@ def provenance(spec: QuantizeSpec, calib_info: dict[str, Any] | None) -> dict[st
     return out
 
 
+def resume_log(source: ModelSource, spec: QuantizeSpec, tokens: torch.Tensor | None, device: torch.device,
+               output: Path, resume: bool) -> ResumeLog | None:  # fmt: skip
+    """The progress folder of a calibrated run (None without calibration tokens: nothing to resume)."""
+    if tokens is None:
+        return None
+    return ResumeLog(output.expanduser().resolve(), run_key(source, spec, tokens, device), resume)
+
+
 def feed(source: ModelSource, spec: QuantizeSpec, tokens: torch.Tensor | None, device: torch.device, writer: Any,
-         result: QuantizeResult, on_block: Callable[[BlockResult, int], None] | None) -> None:  # fmt: skip
-    """Run the pipeline and hand every block to `writer` (a sink), keeping the reports in `result`."""
+         result: QuantizeResult, on_block: Callable[[BlockResult, int], None] | None,
+         log: ResumeLog | None = None) -> None:  # fmt: skip
+    """Run the pipeline and hand every block to `writer` (a sink), keeping the reports in `result`.
+    With `log`, the blocks a killed run finished go to the writer first and the pipeline goes on from
+    there, recording each block it finishes."""
     blocks = source.arch.num_layers + (1 if spec.quantize_head else 0)
-    for block in quantize_model(source, spec, tokens, device):
+    done = log.finished() if log is not None else iter(())
+    result.resumed_blocks = log.next if log is not None else 0
+    start, record = (log.start(), log.record) if log is not None else (None, None)
+    for block in itertools.chain(done, quantize_model(source, spec, tokens, device, start=start, on_progress=record)):
         writer.add(block)
         result.reports.extend(block.reports)
         result.block_seconds.append((block.layer, block.seconds))

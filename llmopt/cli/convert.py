@@ -81,7 +81,7 @@ def _to_gguf(model: str, output: Path | None, o: GgufOptions, *, dry_run: bool, 
     the automatic mix)."""
     from llmopt.api.convert import convert_to_gguf, plan_gguf_file
 
-    command = shlex.join(["llmopt", *(a for a in sys.argv[1:] if a != "--dry-run")])
+    command = shlex.join(["llmopt", *(a for a in sys.argv[1:] if a not in ("--dry-run", "--resume"))])  # what decides the bytes
     automatic = o.target_size is not None or o.target_bpw is not None
     name = f"{Path(model).name} → {o.mix or ('automatic mix' if automatic else 'F16')}"
     if dry_run:

@@ -115,6 +115,8 @@ def print_passes(plan: dict) -> None:
 
 
 def duration(seconds: float) -> str:
+    if seconds < 10:  # a GPU's floor for one block is a fraction of a second: say so, not "0 s"
+        return f"{seconds:.2g} s"
     if seconds < 120:
         return f"{seconds:.0f} s"
     return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
@@ -126,6 +128,8 @@ def _print_result(result: QuantizeResult) -> None:
     m = result.spec.method
     out.print(f"wrote [bold]{result.output}[/] ({result.fmt}, {m.name} w{m.bits} g{m.group_size} {'sym' if m.sym else 'asym'}) "
               f"in {result.seconds:.1f}s ({per_layer:.2f}s per layer)")
+    if result.resumed_blocks:
+        out.print(f"resumed: {result.resumed_blocks} blocks came from the killed run's progress folder")
     if result.automix is not None:
         a = result.automix
         counts = ", ".join(f"{n} {name}" for name, n in sorted(a.counts.items()))

@@ -94,6 +94,17 @@ class BlockResult:
     # replaces the source's (norms AWQ folded its scales into); writers take these over the source
 
 
+@dataclass
+class Progress:
+    """Where a calibrated run stands between blocks: the next block (`num_layers` is the head) and its
+    inputs, `x` (and GPTAQ's `x_fp`). With the finished blocks' results it is all a killed run needs
+    to go on with the same bytes (quant/resume.py)."""
+
+    layer: int
+    x: torch.Tensor
+    x_fp: torch.Tensor | None = None
+
+
 def module_name(layer: int, linear: str) -> str:
     return HEAD if layer < 0 else f"model.layers.{layer}.{linear}"
 
@@ -110,8 +121,12 @@ def head_weight_name(source: ModelSource) -> str:
 
 
 def quantize_model(source: ModelSource, spec: QuantizeSpec, tokens: torch.Tensor | None = None,
-                   device: torch.device | str = "cpu") -> Iterator[BlockResult]:
-    """Quantize every block's linears (and the head with `quantize_head`), one block at a time."""
+                   device: torch.device | str = "cpu", *, start: Progress | None = None,
+                   on_progress: Callable[[BlockResult, Progress], None] | None = None) -> Iterator[BlockResult]:  # fmt: skip
+    """Quantize every block's linears (and the head with `quantize_head`), one block at a time.
+
+    A calibrated run reports `on_progress(result, progress)` after each block, before yielding it,
+    and starts from `start` (a killed run's last progress) instead of the first block."""
     device = torch.device(device)
     method: Method = spec.method.build()
     if not method.calibrated:
@@ -119,7 +134,7 @@ def quantize_model(source: ModelSource, spec: QuantizeSpec, tokens: torch.Tensor
         return
     if tokens is None:
         raise ValueError(f"{method.name} needs calibration tokens")
-    yield from _calibrated(source, spec, method, tokens, device)
+    yield from _calibrated(source, spec, method, tokens, device, start, on_progress or (lambda r, p: None))
 
 
 def _record(result: BlockResult, name: str, w: torch.Tensor, q: Quantized) -> torch.Tensor:
@@ -183,28 +198,35 @@ def _chunks(n: int, size: int) -> list[slice]:
 
 
 @torch.no_grad()
-def _calibrated(source: ModelSource, spec: QuantizeSpec, method: Method, tokens: torch.Tensor,
-                device: torch.device) -> Iterator[BlockResult]:  # fmt: skip
+def _calibrated(source: ModelSource, spec: QuantizeSpec, method: Method, tokens: torch.Tensor, device: torch.device,
+                start: Progress | None, on_progress: Callable[[BlockResult, Progress], None]) -> Iterator[BlockResult]:  # fmt: skip
     arch = source.arch
     if arch.family.experts is not None and method.full_precision_inputs:
         raise OptionError(f"<method> {method.name}: with its options it is not supported for mixture-of-experts "
                           f"models ({arch.family.name}); GPTQ without fp_target, AWQ and RTN are")  # fmt: skip
-    x = embed(source, tokens, torch.float32, device)  # [n, t, hidden]: the current block's inputs
-    x_fp = x.clone() if method.full_precision_inputs else None  # the same, through the unquantized model
+    if start is None:
+        x = embed(source, tokens, torch.float32, device)  # [n, t, hidden]: the current block's inputs
+        x_fp = x.clone() if method.full_precision_inputs else None  # the same, through the unquantized model
+        start = Progress(0, x, x_fp)
+    x, x_fp = start.x.to(device), None if start.x_fp is None else start.x_fp.to(device)
     n, t = tokens.shape
     dt = spec.act_dtype
     cos, sin = Rotary(arch).to(device)(0, t, dt)
     chunks = _chunks(n, max(1, spec.batch_size))
-    for layer in range(arch.num_layers):
-        yield _calibrated_block(source, spec, method, layer, x, x_fp, chunks, cos, sin)
+    for layer in range(start.layer, arch.num_layers):
+        result = _calibrated_block(source, spec, method, layer, x, x_fp, chunks, cos, sin)
+        on_progress(result, Progress(layer + 1, x, x_fp))
+        yield result
 
-    if spec.quantize_head:  # its input: the final norm of the last block's outputs
+    if spec.quantize_head and start.layer <= arch.num_layers:  # its input: the final norm of the last block's outputs
         norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.family.norm_shift).to(device)
         norm.weight.data = source.load("model.norm.weight", dtype=torch.float32).to(device)
         stats = method.collector(arch.hidden_size, device)
         for s in chunks:
             stats.add(norm(x[s]), None if x_fp is None else norm(x_fp[s]))
-        yield _head(source, spec, method, device, stats)
+        result = _head(source, spec, method, device, stats)
+        on_progress(result, Progress(arch.num_layers + 1, x, x_fp))
+        yield result
 
 
 def _calibrated_block(source: ModelSource, spec: QuantizeSpec, method: Method, layer: int, x: torch.Tensor,

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from llmopt.formats.gguf.mixes import MIXES
 from llmopt.names import CHECKPOINT_FORMATS
 from llmopt.options import (O, CalibrationOptions, Declared, EvalOptions, GgufOptions, HfOptions, ImatrixOptions,
-                            Options, QuantizeOptions)
+                            Options, QuantizeOptions, ResumeOptions)
 
 OUTPUT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # a folder name on every system
 
@@ -106,6 +106,7 @@ def as_options(model: BaseModel, group: type[O], skip: Collection[str] = (), **g
 
 
 CALIBRATION = {d.name for d in CalibrationOptions.declared()}  # a recipe's `calibration:` section, shared by its outputs
+RUN = {d.name for d in ResumeOptions.declared()}  # not the recipe's to set: a run always resumes a killed one's blocks
 
 
 class _Output(_Strict):
@@ -135,7 +136,7 @@ class _Gguf(_Output):
         """The API's options: this output's, the recipe's `calibration` (the API's keywords; used when
         the output reads samples) and `imatrix` (the file it reads, if any)."""
         calib = calibration if self.calibrated else {}
-        return as_options(self, GgufOptions, skip={"imatrix"} | CALIBRATION, imatrix=imatrix, **calib)
+        return as_options(self, GgufOptions, skip={"imatrix"} | CALIBRATION | RUN, imatrix=imatrix, resume=True, **calib)
 
 
 class _Checkpoint(_Output):
@@ -145,7 +146,7 @@ class _Checkpoint(_Output):
 
     def method_name(self) -> str:
         """The method: as given, else the format's own (QuantizeOptions.method_name's rule)."""
-        return as_options(self, QuantizeOptions, skip={"fmt"} | CALIBRATION, fmt=self.format).method_name
+        return as_options(self, QuantizeOptions, skip={"fmt"} | CALIBRATION | RUN, fmt=self.format).method_name
 
     @property
     def calibrated(self) -> bool:
@@ -155,7 +156,7 @@ class _Checkpoint(_Output):
         """The API's options: this output's and the recipe's `calibration` (the API's keywords; used
         when the method reads samples)."""
         calib = calibration if self.calibrated else {}
-        return as_options(self, QuantizeOptions, skip={"fmt"} | CALIBRATION, fmt=self.format, **calib)
+        return as_options(self, QuantizeOptions, skip={"fmt"} | CALIBRATION | RUN, fmt=self.format, resume=True, **calib)
 
 
 class _Hf(_Output):
@@ -179,8 +180,8 @@ class _Imatrix(_Strict):
     """The shared importance matrix (llama-imatrix's settings); unset, they follow `calibration`."""
 
 
-GgufOutput = create_model("GgufOutput", __base__=_Gguf, **_fields(GgufOptions, skip={"imatrix"} | CALIBRATION))
-CheckpointOutput = create_model("CheckpointOutput", __base__=_Checkpoint, **_fields(QuantizeOptions, skip={"fmt"} | CALIBRATION))
+GgufOutput = create_model("GgufOutput", __base__=_Gguf, **_fields(GgufOptions, skip={"imatrix"} | CALIBRATION | RUN))
+CheckpointOutput = create_model("CheckpointOutput", __base__=_Checkpoint, **_fields(QuantizeOptions, skip={"fmt"} | CALIBRATION | RUN))
 HfOutput = create_model("HfOutput", __base__=_Hf, **_fields(HfOptions))
 Calibration = create_model("Calibration", __base__=_Calibration, **_fields(CalibrationOptions))
 Imatrix = create_model("Imatrix", __base__=_Imatrix, **_fields(ImatrixOptions, skip={"calib_field", "output_format"},

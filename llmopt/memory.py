@@ -129,3 +129,17 @@ def memory_budget() -> tuple[int, str]:
     if room is not None and room < system:
         return room, "cgroup limit"
     return system, "available"
+
+
+def memory_limits_text() -> str:
+    """What bounds this process's memory, for an out-of-memory message: the room the system (or the
+    cgroup) has now, and any ulimit on the address space or the data segment."""
+    import resource
+
+    room, where = memory_budget()
+    parts = [f"{room / 1e9:.1f} GB {where} now"]
+    for name, which in (("ulimit -v", resource.RLIMIT_AS), ("data limit", resource.RLIMIT_DATA)):
+        soft, _ = resource.getrlimit(which)
+        if soft != resource.RLIM_INFINITY:
+            parts.append(f"{name} {soft / 1e9:.1f} GB")
+    return ", ".join(parts)

@@ -123,13 +123,33 @@ def _output_of(argv: list[str]) -> str | None:
     return None
 
 
+# What torch's allocators say when the OS (or a ulimit or cgroup) refuses memory
+_ALLOCATION_FAILED = ("can't allocate memory", "CUDA out of memory", "not enough memory")
+# Per command, what lowers the memory one call holds
+_MEMORY_LEVERS = {"quantize": "<nsamples>, <seqlen> or <batch_size>", "convert": "<nsamples>, <seqlen> or <batch_size>",
+                  "imatrix": "<chunks> or <ctx_size>", "eval": "<stream>, <ctx> or <batch>",
+                  "generate": "<max_tokens> or <prefill_chunk>", "run": "the recipe's calibration nsamples or seqlen"}  # fmt: skip
+
+
+def _out_of_memory(command: str | None) -> int:
+    """One line for a run the OS refused memory mid-way (the check before work passed: another process
+    took the room, or a ulimit the check does not read): what bounds it and what lowers it."""
+    _discard_unfinished()
+    from llmopt.memory import memory_limits_text
+
+    lever = _MEMORY_LEVERS.get(command or "", "smaller inputs")
+    message = OptionError(f"out of memory ({memory_limits_text()}); lower what one call holds: {lever}").render(flag)
+    err.print(f"[bold red]error:[/] {escape(message)}", markup=True, soft_wrap=True)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the process's own entry point (not an in-process call): own SIGTERM too
         signal.signal(signal.SIGTERM, _terminate)
     argv = sys.argv[1:] if argv is None else argv
     verbose = any(a in ("-v", "-vv", "--verbose") for a in argv)
+    name = command_named(argv)
     try:
-        name = command_named(argv)
         version_only = "--version" in argv and not {"-h", "--help"} & set(argv)
         app = build_app([name] if name in COMMANDS else () if version_only else COMMANDS)
         rv = app(args=argv, prog_name="llmopt", standalone_mode=False)
@@ -158,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             reason += " (nothing was written under this name; free space and run again)"
         err.print(f"[bold red]error:[/] {escape(f'{shown}: {reason}')}", markup=True, soft_wrap=True)
         return 2
+    except MemoryError:  # Python's and numpy's (torch's allocator raises RuntimeError: below)
+        return _out_of_memory(name)
     except KeyboardInterrupt:
         _discard_unfinished()
         err.print("interrupted")
@@ -173,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             _discard_unfinished()
             err.print("terminated")
             return 143
+        if isinstance(e, RuntimeError) and any(m in str(e) for m in _ALLOCATION_FAILED):
+            return _out_of_memory(name)
         if verbose:
             traceback.print_exc()
         err.print(f"[bold red]internal error:[/] {escape(f'{type(e).__name__}: {e}')} (run with -v for the traceback)", markup=True, soft_wrap=True)

@@ -1,5 +1,5 @@
-"""When the file system says no (no room, no such place, a name that is not UTF-8): exit 2, one line
-naming the output, and nothing left behind."""
+"""When the file system or the memory says no (no room, no such place, a name that is not UTF-8, a memory
+limit met mid-run): exit 2, one line naming the output or the limit, and nothing left behind."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.cli.test_bad_input import assert_clean_failure
 
@@ -87,3 +89,15 @@ outputs:
     first = out / entry["path"]
     assert hashlib.sha256(first.read_bytes()).hexdigest() == entry["sha256"]
     assert not any("second" in p.name for p in out.rglob("*") if p.is_file() and "first" not in p.parts)
+
+
+@pytest.mark.parametrize("room", [1_000_000, 5_000_000])
+def test_a_memory_limit_met_mid_run_is_one_line(tiny_models, tmp_path, room):
+    """RLIMIT_DATA a few MB above what the process holds after start-up: the check before work (which
+    reads the system's and the cgroup's room) passes, and the run meets the limit mid-way."""
+    (tmp_path / "calib.txt").write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    proc = _faulty("quantize", tiny_models("llama"), "--method", "gptq", "--bits", "4", "--group-size", "32", "--calib",
+                   "calib.txt", "--nsamples", "64", "--seqlen", "64", "-o", "out", cwd=tmp_path, fault=["--data-room", str(room)])  # fmt: skip
+    assert_clean_failure(proc, "error: out of memory (")
+    assert "data limit" in proc.stderr and "lower what one call holds: --nsamples, --seqlen or --batch-size" in proc.stderr
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]

@@ -161,6 +161,7 @@ class CheckpointWriter:
 
     def add(self, block: BlockResult) -> None:
         """Take one block's results; write every tensor whose turn has come."""
+        self.source.check_unchanged()  # the block just read, and the ones this call writes from the source
         self.held.update(block.tensors)
         self.updated.update(block.updated)
         self.layers_added.add(block.layer)
@@ -222,6 +223,7 @@ class CheckpointWriter:
             (tmp / "quantize_config.json").write_text(json.dumps(qcfg, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _copy_tokenizer(source, tmp)
+        source.check_unchanged()
         self.path = self.dir.commit()
         return self.path
 

@@ -52,6 +52,7 @@ def write_hf_dir(source: ModelSource, out: Path, dtype: str = "float16", max_sha
         plan.append(PlannedTensor(name, (sum(source.tensors[p].shape[0] for p in parts), *shape[1:]), torch_dtype))
 
     def produce(t: PlannedTensor) -> torch.Tensor:
+        source.check_unchanged()
         return source.load_stored(t.name, dtype=torch.float32).to(torch_dtype)
 
     def done(t: PlannedTensor) -> None:
@@ -69,6 +70,7 @@ def write_hf_dir(source: ModelSource, out: Path, dtype: str = "float16", max_sha
         (tmp / "generation_config.json").write_text(json.dumps(specials, indent=2) + "\n")
         if tok is not None:
             tok.save_hf(tmp, model_max_length=arch.max_position_embeddings)
+        source.check_unchanged()
     return out.expanduser().resolve()
 
 

@@ -8,12 +8,20 @@ from llmopt.errors import InputError
 from llmopt.model.gguf_file import GGUFSource
 from llmopt.model.gguf_header import MAGIC as GGUF_MAGIC
 from llmopt.model.hub import looks_like_hub_id, resolve_hub_id
-from llmopt.model.source import ModelSource
+from llmopt.model.source import ModelSource, file_stamps
 
 
 def open_model(spec: str | Path) -> ModelSource:
-    """An HF directory, a GGUF file, or a hub id (cached, or downloaded when online)."""
+    """An HF directory, a GGUF file, or a hub id (cached, or downloaded when online), with its files'
+    sizes and times as they were before it was read (`ModelSource.check_unchanged`)."""
     path = Path(spec).expanduser()
+    stamps = file_stamps(path)
+    source = _open(spec, path)
+    source.stamps = stamps if Path(source.path).expanduser() == path else file_stamps(Path(source.path))
+    return source
+
+
+def _open(spec: str | Path, path: Path) -> ModelSource:
     if path.is_dir():
         from llmopt.model.quantized_dir import open_hf_dir  # torch: a GGUF's header is read without it
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmopt.errors import InputError
 from llmopt.memory import release_mapped_files
 from llmopt.model.tokenizer import TokenizerInfo
 
@@ -44,6 +45,15 @@ class TensorInfo:
         for d in self.shape:
             n *= d
         return n
+
+
+def file_stamps(path: Path) -> dict[str, tuple[int, int]]:
+    """(size, mtime in ns) of a model's file, or of each file directly in its folder."""
+    try:
+        files = [path] if path.is_file() else [p for p in path.iterdir() if p.is_file()]
+        return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in files}
+    except OSError:  # gone: every stamp differs
+        return {}
 
 
 class ModelSource(ABC):
@@ -121,6 +131,18 @@ class ModelSource(ABC):
     @abstractmethod
     def tokenizer(self) -> TokenizerInfo | None:
         """The model's tokenizer, or None when the source carries none."""
+
+    stamps: dict[str, tuple[int, int]] = {}  # each file's (size, mtime) when opened (open_model)
+
+    def check_unchanged(self) -> None:
+        """A one-line InputError when a file of the model changed since it was opened (replaced,
+        truncated, rewritten): an output made of tensors read before and after would be neither.
+        Writers ask before each tensor or block they read and before they commit (a stat per file)."""
+        now = file_stamps(self.path)
+        changed = next((name for name, stamp in self.stamps.items() if now.get(name) != stamp), None)
+        if changed is not None:
+            raise InputError(f"{self.path}: {changed} changed while it was being read (its size or modification "
+                             "time); nothing was written - run again once it stays put")  # fmt: skip
 
     def release_pages(self) -> None:
         """Let go of the memory-mapped file pages read so far (they stay counted in RSS otherwise)."""

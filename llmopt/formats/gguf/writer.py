@@ -194,6 +194,7 @@ class GGUFWriter:
                 return  # its block has not been added yet
             modules = _modules(planned)
             start = time.perf_counter()
+            self.source.check_unchanged()  # before reading it: a file replaced mid-run is one line, not a mixed output
             if any(m in self.computed for m in modules):
                 if not all(m in self.held and m in self.computed for m in modules):
                     raise RuntimeError(f"{planned.gguf_name}: the pipeline produced no result for it")
@@ -231,6 +232,7 @@ class GGUFWriter:
         self._write_ready(final=True)
         self.file.write(bytes(aligned(self.file.tell(), self.plan.alignment) - self.file.tell()))
         self.file.close()
+        self.source.check_unchanged()
         self.path = self.out.commit()
         return self.path
 

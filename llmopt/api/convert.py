@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from llmopt.api.budget import check_memory, dry_run, pipeline_workload, sensitivity_workload
-from llmopt.api.quantize import QuantizeResult, calibrate, calibration_config, feed, layer_row, provenance, resume_log
+from llmopt.api.quantize import QuantizeResult, calibrate, calibration_config, feed, kept_for_resume, layer_row, provenance, resume_log
 from llmopt.calibration.samples import CalibConfig
 from llmopt.device import resolve_calib_dtype, resolve_device
 from llmopt.errors import OptionError
@@ -194,12 +194,11 @@ def _write_gguf(source: ModelSource, output: Path, job: GgufJob, prov: Provenanc
     spec = dataclasses.replace(spec, grids=grids_for(plan))
     result = QuantizeResult(output, spec, "gguf", calib_info, 0.0)
     log = resume_log(source, spec, tokens, dev, output, o.resume)
-    with GGUFWriter(source, output, plan, importance=importance, computed=quantized_modules(source, spec), force=True,
-                    on_tensor=events.on_tensor) as writer:  # fmt: skip
+    with kept_for_resume(log), GGUFWriter(source, output, plan, importance=importance,
+                                          computed=quantized_modules(source, spec), force=True,
+                                          on_tensor=events.on_tensor) as writer:  # fmt: skip
         feed(source, spec, tokens, dev, writer, result, events.on_block, log)
         final = writer.finish()
-    if log is not None:
-        log.remove()
     return plan, auto, final, result
 
 

@@ -9,6 +9,7 @@ writer (formats/checkpoint.py), which streams it to disk.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -158,12 +159,10 @@ def quantize(model: str | Path, output: str | Path, options: QuantizeOptions | N
         tokens, calib_info = calibrate(source, spec, job.calibration, dev, on_calibration)
         result = QuantizeResult(Path(output), spec, job.fmt, calib_info, 0.0, automix=mix)
         log = resume_log(source, spec, tokens, dev, Path(output), options.resume)
-        with CheckpointWriter(source, spec, Path(output), job.fmt, provenance(spec, calib_info), force,
-                              job.shard_bytes) as writer:  # fmt: skip
+        with kept_for_resume(log), CheckpointWriter(source, spec, Path(output), job.fmt, provenance(spec, calib_info),
+                                                    force, job.shard_bytes) as writer:  # fmt: skip
             feed(source, spec, tokens, dev, writer, result, on_block, log)
             result.output = writer.finish()
-        if log is not None:
-            log.remove()
     result.seconds = time.perf_counter() - start
     return result
 
@@ -191,6 +190,11 @@ def resume_log(source: ModelSource, spec: QuantizeSpec, tokens: torch.Tensor | N
     if tokens is None:
         return None
     return ResumeLog(output.expanduser().resolve(), run_key(source, spec, tokens, device), resume)
+
+
+def kept_for_resume(log: ResumeLog | None) -> contextlib.AbstractContextManager[None]:
+    """The run's progress folder is kept only for a rerun with --resume (see ResumeLog.kept_for_resume)."""
+    return log.kept_for_resume() if log is not None else contextlib.nullcontext()
 
 
 def feed(source: ModelSource, spec: QuantizeSpec, tokens: torch.Tensor | None, device: torch.device, writer: Any,

@@ -7,7 +7,9 @@ written after each block (safetensors, each file atomically) into `.NAME.resume/
 under a key of everything that decides the bytes (the source files' sizes and times, the spec with
 every module's grid, the calibration tokens, the device, llmopt's version). `--resume` replays the
 finished blocks into a fresh writer and goes on from the next; without it, or under another key, the
-run starts over. The folder is removed once the output is committed.
+run starts over. The folder appears with the first finished block and is removed once the output is
+committed, or when the run stops on bad input (a rerun would stop there again); a kill, SIGTERM,
+Ctrl-C, a full disk or an out-of-memory error leave it for `--resume`.
 
 Disk: the results (about the output's size) plus one block's inputs (samples x seqlen x hidden x 4
 bytes: 1 GiB at 8B width with 128 x 512 tokens), rewritten after each block.
@@ -16,6 +18,7 @@ bytes: 1 GiB at 8B width with 128 x 512 tokens), rewritten after each block.
 from __future__ import annotations
 
 import hashlib
+import contextlib
 import json
 import shutil
 from collections.abc import Iterator
@@ -26,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import llmopt
+from llmopt.errors import LlmoptError
 from llmopt.formats.atomic import atomic_output_file
 from llmopt.model.source import ModelSource
 from llmopt.quant.pipeline import BlockResult, LayerReport, Progress, QuantizeSpec, quantized_modules
@@ -60,8 +64,6 @@ class ResumeLog:
         kept = resume and _read_key(self.folder) == key
         if not kept:
             shutil.rmtree(self.folder, ignore_errors=True)
-            self.folder.mkdir(parents=True)
-            (self.folder / "key.json").write_text(json.dumps({"key": key}))
         self.next = _next_layer(self.folder) if kept else 0
 
     def start(self) -> Progress | None:
@@ -78,16 +80,44 @@ class ResumeLog:
 
     def record(self, result: BlockResult, progress: Progress) -> None:
         """After a block: its result, then the next block's inputs (which say the block is done)."""
+        if not self.folder.is_dir():
+            self.folder.mkdir(parents=True)
+            (self.folder / "key.json").write_text(json.dumps({"key": self.key}))
         with atomic_output_file(self.folder / _block_file(progress.layer - 1)) as tmp:
             _save_block(result, tmp)
-        inputs = {"x": progress.x.detach().cpu().contiguous()}
+        inputs = {"x": progress.x}
         if progress.x_fp is not None:
-            inputs["x_fp"] = progress.x_fp.detach().cpu().contiguous()
+            inputs["x_fp"] = progress.x_fp
+        inputs = _unshared(inputs)
         with atomic_output_file(self.folder / "inputs.safetensors") as tmp:
             save_file(inputs, str(tmp), metadata={"next": str(progress.layer), "key": self.key})
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def kept_for_resume(self) -> Iterator[None]:
+        """Around a run: the folder goes when the output is written or the input is at fault, and
+        stays for every other way the run can stop."""
+        try:
+            yield
+        except LlmoptError:
+            self.remove()
+            raise
+        self.remove()
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, and one storage each: safetensors refuses tensors that share memory (a tied
+    field, an aux tensor that is a view of another), so a second view of a storage is copied."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in tensors.items():
+        t = t.detach().cpu().contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        out[name] = t.clone() if ptr in seen else t
+        seen.add(ptr)
+    return out
 
 
 def _block_file(index: int) -> str:
@@ -122,13 +152,13 @@ def _save_block(result: BlockResult, path: Path) -> None:
         for f in _TENSOR_FIELDS:
             value = getattr(q, f)
             if value is not None:
-                tensors[f"q/{name}/{f}"] = value.contiguous()
+                tensors[f"q/{name}/{f}"] = value
         for k, v in q.aux.items():
-            tensors[f"q/{name}/aux/{k}"] = v.contiguous()
+            tensors[f"q/{name}/aux/{k}"] = v
         meta["quantized"][name] = {"bits": q.bits, "group_size": q.group_size, "grid": q.grid}  # type: ignore[index]
     for name, t in result.updated.items():
-        tensors[f"u/{name}"] = t.contiguous()
-    save_file(tensors, str(path), metadata={"block": json.dumps(meta)})
+        tensors[f"u/{name}"] = t
+    save_file(_unshared(tensors), str(path), metadata={"block": json.dumps(meta)})
 
 
 def _load_block(path: Path) -> BlockResult:

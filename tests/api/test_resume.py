@@ -4,6 +4,7 @@ options, or without `--resume`, starts over; the progress folder goes when the o
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -80,13 +81,15 @@ def test_without_resume_or_with_other_options_a_run_starts_over(work, tiny_model
 
 
 def test_a_block_result_survives_the_disk_field_for_field(tmp_path):
-    """Every QuantizedTensor field (zeros, mins, g_idx, aux) and report comes back as it went."""
+    """Every QuantizedTensor field (zeros, mins, g_idx, aux) and report comes back as it went, tensors that
+    share memory (one g_idx for q, k and v under act-order; a view) included."""
     g = torch.Generator().manual_seed(0)
     a = QuantizedTensor(torch.randint(0, 16, (4, 64), dtype=torch.uint8, generator=g), torch.rand(4, 2, generator=g), 4, 32,
                         zeros=torch.randint(0, 16, (4, 2), generator=g).float(), g_idx=torch.arange(64) % 2, grid="int")  # fmt: skip
     b = QuantizedTensor(torch.randint(0, 16, (4, 256), dtype=torch.uint8, generator=g), torch.rand(4, 1, generator=g), 4, 256,
                         mins=torch.rand(4, 1, generator=g), grid="Q4_K", aux={"sub": torch.randint(0, 63, (4, 8), generator=g)})  # fmt: skip
-    result = BlockResult(3, {"m.a": a, "m.b": b}, [LayerReport("m.a", (4, 64), {"rel_err": 0.5}, {"gptq_loss": 1.5})], 2.5,
+    c = dataclasses.replace(a, scales=a.scales[:, :1], g_idx=a.g_idx)
+    result = BlockResult(3, {"m.a": a, "m.b": b, "m.c": c}, [LayerReport("m.a", (4, 64), {"rel_err": 0.5}, {"gptq_loss": 1.5})], 2.5,
                          {"m.norm.weight": torch.rand(64, generator=g)})  # fmt: skip
     _save_block(result, tmp_path / "b.safetensors")
     back = _load_block(tmp_path / "b.safetensors")

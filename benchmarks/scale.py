@@ -297,7 +297,7 @@ def finish_rows(rows: list[dict], matmul: float) -> None:
     per-block seconds x this machine's float32 matmul rate `matmul`), added to every row."""
     for row in rows:
         seconds, source = per_block(row, rows)
-        row["per_block_s"] = None if seconds is None else round(seconds, 3)
+        row["per_block_s"] = None if seconds is None else round(seconds, 6)
         row["per_block_from"] = source
         row["proj_70b_s"] = None if seconds is None else round(seconds * row["flops_ratio_70b"] * TARGET.num_layers, 1)
         row["fraction_of_matmul"] = None if not seconds else float(f"{row['block_flops'] / (seconds * matmul):.4g}")

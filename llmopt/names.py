@@ -3,7 +3,7 @@ devices. Plain strings, importable without torch, so that `llmopt --help` and th
 not compute (`recommend`) start fast; the modules that implement them take their lists from here."""
 
 METHODS: tuple[str, ...] = ("rtn", "gptq", "awq", "awq+gptq")
-CHECKPOINT_FORMATS: tuple[str, ...] = ("gptq", "awq", "dense")
+CHECKPOINT_FORMATS: tuple[str, ...] = ("gptq", "awq", "compressed-tensors", "dense")
 FLOAT_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
 CALIB_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")

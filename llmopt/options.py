@@ -238,8 +238,9 @@ class QuantizeOptions(CalibrationOptions, RoundingOptions, AutomixOptions, Shard
     mse: bool = option(False, "Search a clipping range per group instead of min/max.")
     refit_scales: bool = option(False, "GPTQ: re-solve each group's scale for the final codes (least squares on the "
                                 "layer's output error).")  # fmt: skip
-    fmt: str | None = option(None, "gptq or awq: a packed checkpoint (default: awq for awq methods, else gptq); dense: "
-                             "dequantized float16 weights.", choices=CHECKPOINT_FORMATS, flags=("--format",),
+    fmt: str | None = option(None, "gptq, awq or compressed-tensors (vLLM's pack-quantized, 4 or 8 bits): a packed "
+                             "checkpoint (default: awq for awq methods, else gptq); dense: dequantized float16 "
+                             "weights.", choices=CHECKPOINT_FORMATS, flags=("--format",),
                              recipe="format", show_default=False)  # fmt: skip
     quantize_head: bool = option(False, "Quantize the LM head too (embeddings and norms never are).")
 

@@ -10,6 +10,7 @@ zero_point}; a symmetric grid is stored with every zero point at 8, as GPTQModel
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -39,7 +40,8 @@ class AWQLayout:
             raise OptionError("<act_order> needs <static_groups> in AWQ checkpoints, which keep no g_idx "
                               "(or use <fmt> gptq)")  # fmt: skip
 
-    def parts(self, out_f: int, in_f: int, bits: int, group_size: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    def parts(self, out_f: int, in_f: int, bits: int, group_size: int,
+              spec: QuantizeSpec | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:  # fmt: skip
         if out_f % 8:
             raise OptionError(f"AWQ checkpoints pack 8 output channels a word; a linear has {out_f} (use <fmt> gptq)")
         groups = group_count(in_f, group_size)
@@ -58,7 +60,8 @@ class AWQLayout:
             "scales": scales.t().contiguous().to(torch.float16),
         }
 
-    def quantization_config(self, spec: QuantizeSpec, provenance: dict[str, Any]) -> dict[str, Any]:
+    def quantization_config(self, spec: QuantizeSpec, provenance: dict[str, Any],
+                            modules: Mapping[str, tuple[int, int]] | None = None) -> dict[str, Any]:  # fmt: skip
         m = spec.method
         return {
             "quant_method": "awq",

@@ -1,8 +1,8 @@
-"""Quantized HF checkpoints (GPTQ, AWQ) and dense dequantized HF directories, written block by block
+"""Quantized HF checkpoints (GPTQ, AWQ, compressed-tensors) and dense dequantized HF directories, written block by block
 as the quantization pipeline yields them.
 
 Each quantized linear `<module>` becomes the tensors of its format's layout (formats/gptq.py,
-formats/awq.py; dense: one float16 `.weight`). Everything else (embeddings, norms, an unquantized
+formats/awq.py, formats/compressed_tensors.py; dense: one float16 `.weight`). Everything else (embeddings, norms, an unquantized
 head, biases) is written as float16 from the source, or from the pipeline where a method changed
 it (AWQ's norms). `config.json` carries the layout's `quantization_config`.
 
@@ -18,13 +18,14 @@ import json
 import re
 import shutil
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
 
 import llmopt
 from llmopt.errors import OptionError
-from llmopt.formats import awq, gptq
+from llmopt.formats import awq, compressed_tensors, gptq
 from llmopt.formats.atomic import AtomicDir
 from llmopt.formats.safetensors_stream import PlannedTensor, ShardedWriter
 from llmopt.model.source import ModelSource
@@ -44,11 +45,13 @@ class Layout(Protocol):
 
     def check(self, spec: QuantizeSpec) -> None: ...
 
-    def parts(self, out_f: int, in_f: int, bits: int, group_size: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]: ...
+    def parts(self, out_f: int, in_f: int, bits: int, group_size: int,
+              spec: QuantizeSpec | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype]]: ...  # fmt: skip
 
     def tensors(self, qt: QuantizedTensor) -> dict[str, torch.Tensor]: ...
 
-    def quantization_config(self, spec: QuantizeSpec, provenance: dict[str, Any]) -> dict[str, Any]: ...
+    def quantization_config(self, spec: QuantizeSpec, provenance: dict[str, Any],
+                            modules: Mapping[str, tuple[int, int]] | None = None) -> dict[str, Any]: ...  # fmt: skip
 
 
 class Dense:
@@ -59,17 +62,20 @@ class Dense:
     def check(self, spec: QuantizeSpec) -> None:
         pass
 
-    def parts(self, out_f: int, in_f: int, bits: int, group_size: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    def parts(self, out_f: int, in_f: int, bits: int, group_size: int,
+              spec: QuantizeSpec | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:  # fmt: skip
         return [("weight", (out_f, in_f), torch.float16)]
 
     def tensors(self, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
         return {"weight": qt.dequantize(torch.float32).to(torch.float16)}
 
-    def quantization_config(self, spec: QuantizeSpec, provenance: dict[str, Any]) -> dict[str, Any] | None:
+    def quantization_config(self, spec: QuantizeSpec, provenance: dict[str, Any],
+                            modules: Mapping[str, tuple[int, int]] | None = None) -> dict[str, Any] | None:  # fmt: skip
         return None
 
 
-LAYOUTS: dict[str, Layout] = {"gptq": gptq.LAYOUT, "awq": awq.LAYOUT, "dense": Dense()}
+LAYOUTS: dict[str, Layout] = {"gptq": gptq.LAYOUT, "awq": awq.LAYOUT, "compressed-tensors": compressed_tensors.LAYOUT,
+                               "dense": Dense()}  # fmt: skip
 FORMATS = CHECKPOINT_FORMATS
 assert tuple(LAYOUTS) == FORMATS, "llmopt/names.py lists the formats LAYOUTS writes"
 
@@ -124,7 +130,7 @@ def plan_tensors(source: ModelSource, spec: QuantizeSpec, fmt: str) -> tuple[lis
         shapes = [source.tensors[head_weight_name(source) if m == f"{HEAD}.weight" and done else m].shape for m in members]
         out_f, rest = sum(int(shape[0]) for shape in shapes), tuple(shapes[0][1:])  # a fused tensor: rows stacked
         if done:
-            for part, shape, dtype in parts(out_f, int(rest[0]), *spec.module_bits(modules[0])):
+            for part, shape, dtype in parts(out_f, int(rest[0]), *spec.module_bits(modules[0]), spec=spec):
                 plan.append(PlannedTensor(f"{module}.{part}", shape, dtype))
                 producer[f"{module}.{part}"] = modules
         else:
@@ -133,7 +139,7 @@ def plan_tensors(source: ModelSource, spec: QuantizeSpec, fmt: str) -> tuple[lis
 
 
 class CheckpointWriter:
-    """A sink for the pipeline's results: a GPTQ, AWQ or dense HF directory at `out`, written atomically.
+    """A sink for the pipeline's results: a GPTQ, AWQ, compressed-tensors or dense HF directory at `out`, written atomically.
 
         with CheckpointWriter(source, spec, out, "awq") as writer:
             for block in quantize_model(source, spec, tokens):
@@ -217,7 +223,8 @@ class CheckpointWriter:
         tok = source.tokenizer()
         config.update(tok.special_ids() if tok is not None else {})
         config["llmopt"] = {"version": llmopt.__version__, "quantized_from": source.path.name, **self.provenance}
-        qcfg = self.layout.quantization_config(self.spec, self.provenance)
+        stored = {t.rpartition(".")[0]: self.spec.module_bits(ms[0]) for t, ms in self.producer.items()}
+        qcfg = self.layout.quantization_config(self.spec, self.provenance, stored)
         if qcfg is not None:
             config["quantization_config"] = qcfg
             (tmp / "quantize_config.json").write_text(json.dumps(qcfg, indent=2) + "\n")

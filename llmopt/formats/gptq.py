@@ -55,7 +55,8 @@ class GPTQLayout:
                 raise OptionError(f"<bits> {bits}: GPTQ checkpoints hold {', '.join(map(str, PACK_BITS))} bits "
                                   f"(use <fmt> dense for other widths)")  # fmt: skip
 
-    def parts(self, out_f: int, in_f: int, bits: int, group_size: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    def parts(self, out_f: int, in_f: int, bits: int, group_size: int,
+              spec: QuantizeSpec | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:  # fmt: skip
         groups = group_count(in_f, group_size)
         return [("qweight", (packed_length(in_f, bits), out_f), torch.int32),
                 ("qzeros", (groups, packed_length(out_f, bits)), torch.int32),
@@ -81,7 +82,8 @@ class GPTQLayout:
             "g_idx": qt.group_index().to(torch.int32),
         }
 
-    def quantization_config(self, spec: QuantizeSpec, provenance: dict[str, Any]) -> dict[str, Any]:
+    def quantization_config(self, spec: QuantizeSpec, provenance: dict[str, Any],
+                            modules: Mapping[str, tuple[int, int]] | None = None) -> dict[str, Any]:  # fmt: skip
         m = spec.method
         gptq = m if isinstance(m, GPTQConfig) else getattr(m, "gptq", None)
         return {

@@ -1,5 +1,6 @@
 """HF directories whose linears are packed integers: GPTQ ("gptq" format v1, as AutoGPTQ, GPTQModel,
-transformers and vLLM read them) and AWQ (GEMM, as AutoAWQ, GPTQModel and vLLM read them).
+transformers and vLLM read them), AWQ (GEMM, as AutoAWQ, GPTQModel and vLLM read them) and
+compressed-tensors pack-quantized (model/compressed_tensors.py).
 
 A packed linear is stored as `qweight`, `qzeros`, `scales` (and `g_idx` for GPTQ); the source lists
 it as one logical `<module>.weight` [out, in] and `load` returns it dequantized:
@@ -20,8 +21,9 @@ from pathlib import Path
 import torch
 
 from llmopt.errors import InputError
+from llmopt.model import compressed_tensors as ct
 from llmopt.model.hf_dir import HFDirSource
-from llmopt.model.packing import PACK_BITS, unpack_awq, unpack_qweight, unpack_qzeros
+from llmopt.model.packing import PACK_BITS, unpack_awq, unpack_qweight, unpack_qzeros, unpack_rows
 from llmopt.model.validate import check_tensors
 from llmopt.model.source import ModelSource, TensorInfo, torch_dtype
 from llmopt.quantized_tensor import QuantizedTensor
@@ -31,7 +33,10 @@ class PackedDirSource(HFDirSource):
     """The shared part: logical `.weight` tensors for packed modules, dequantized on `load`."""
 
     method = ""  # the quant_method this reads
-    parts: tuple[str, ...] = ()
+    label = ""  # its name in messages and tensor kinds (default: the method's, upper case)
+    parts: tuple[str, ...] = ()  # the stored tensors of one module, the one that marks a packed module first
+    optional: tuple[str, ...] = ("g_idx",)  # parts a module may lack
+    vectors: tuple[str, ...] = ("g_idx",)  # 1-D parts
 
     def __init__(self, path: Path):
         super().__init__(path)
@@ -51,25 +56,29 @@ class PackedDirSource(HFDirSource):
             if part not in self.parts:
                 logical[name] = info
                 continue
-            if part == "qweight":
+            if part == self.parts[0]:
                 for p in self.parts:
                     stored = self.stored.get(f"{module}.{p}")
-                    if stored is None and p != "g_idx":
-                        raise InputError(f"{path}: {module}.{p} is missing ({self.method.upper()} stores {', '.join(self.parts)})")
-                    if stored is not None and len(stored.shape) != (1 if p == "g_idx" else 2):
+                    if stored is None and p not in self.optional:
+                        raise InputError(f"{path}: {module}.{p} is missing ({self.name} stores {', '.join(self.parts)})")
+                    if stored is not None and len(stored.shape) != (1 if p in self.vectors else 2):
                         raise InputError(f"{path}: {module}.{p} has shape {list(stored.shape)}, expected "
-                                         f"{'1' if p == 'g_idx' else '2'} dimensions")  # fmt: skip
+                                         f"{'1' if p in self.vectors else '2'} dimensions")  # fmt: skip
                 out_f, in_f = self.linear_shape(module, info.shape)
                 self.modules[module] = (out_f, in_f)
                 nbytes = sum(self.stored[f"{module}.{p}"].nbytes for p in self.parts if f"{module}.{p}" in self.stored)
-                kind = f"{self.method.upper()}{self.module_config(module)[0]}"
+                kind = f"{self.name}{self.module_config(module)[0]}"
                 logical[f"{module}.weight"] = TensorInfo(f"{module}.weight", name, (out_f, in_f), kind, nbytes)
         self.tensors = logical
-        check_tensors(self.arch, {n: t.shape for n, t in logical.items()}, f"{path} ({self.method.upper()} {self.bits}-bit)")
+        check_tensors(self.arch, {n: t.shape for n, t in logical.items()}, f"{path} ({self.name} {self.bits}-bit)")
         self.split_fused()  # a fused packed linear (Phi-3's qkv_proj) serves its parts by rows
         for part, (stored, lo, hi) in self.fused_rows.items():
             if stored.removesuffix(".weight") in self.modules:
                 self.modules[part.removesuffix(".weight")] = (hi - lo, self.modules[stored.removesuffix(".weight")][1])
+
+    @property
+    def name(self) -> str:
+        return self.label or self.method.upper()
 
     def check_config(self, q: dict) -> None:
         """Refuse what this reader cannot read (one line)."""
@@ -115,7 +124,7 @@ class PackedDirSource(HFDirSource):
             raise InputError(f"{self.path}: {module}.g_idx holds negative group numbers")
         groups = int(index.max()) + 1
         if qt.scales.shape != qt.zeros.shape or qt.scales.shape[0] != qt.shape[0] or groups > qt.scales.shape[1]:
-            raise InputError(f"{self.path}: {module}: inconsistent {self.method.upper()} tensors (scales "
+            raise InputError(f"{self.path}: {module}: inconsistent {self.name} tensors (scales "
                              f"{tuple(qt.scales.shape)}, qzeros {tuple(qt.zeros.shape)}, groups used {groups})")  # fmt: skip
         return qt
 
@@ -199,11 +208,78 @@ class AWQDirSource(PackedDirSource):
         return self._checked(module, qt)
 
 
-READERS: dict[str, type[PackedDirSource]] = {"gptq": GPTQDirSource, "awq": AWQDirSource}
+class CompressedTensorsDirSource(PackedDirSource):
+    """compressed-tensors `pack-quantized` checkpoints (llm-compressor's, llmopt's): per linear `weight_packed`
+    int32 [out, in·b/32] (signed q + 2^(b−1), packed along the inputs), `weight_scale` [out, groups],
+    `weight_zero_point` [out·b/32, groups] (asymmetric; packed along the outputs), `weight_g_idx` (old
+    checkpoints with actorder "group") and `weight_shape` [2]. W = (q − zp)·s = (code − zero)·s, so the
+    stored unsigned values are our codes and zeros; a symmetric module gets zero 2^(b−1) on every group."""
+
+    kind = "hf-compressed-tensors"
+    method = "compressed-tensors"
+    label = "CT-INT"
+    parts = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
+    optional = ("weight_zero_point", "weight_g_idx")
+    vectors = ("weight_g_idx", "weight_shape")
+
+    def check_config(self, q: dict) -> None:
+        self.groups = ct.groups(self.path, q)
+        self.schemes: dict[str, ct.WeightScheme] = {}
+        self.shapes: dict[str, tuple[int, int]] = {}
+
+    def scheme(self, module: str) -> ct.WeightScheme:
+        if module not in self.schemes:
+            names = {n.rpartition(".")[0] for n in self.stored}
+            scheme = ct.scheme_of(module, self.groups, names)
+            if scheme is None:
+                raise InputError(f"{self.path}: {module} is packed but no config group targets it")
+            self.schemes[module] = scheme
+        return self.schemes[module]
+
+    def module_config(self, module: str) -> tuple[int, int]:
+        s = self.scheme(module)
+        return s.bits, s.group_size
+
+    def linear_shape(self, module: str, packed_shape: tuple[int, ...]) -> tuple[int, int]:
+        """(out, in) from `weight_shape`; every part's shape must agree with it."""
+        shape = self.raw(module, "weight_shape")
+        if shape.numel() != 2:
+            raise InputError(f"{self.path}: {module}.weight_shape has {shape.numel()} values, expected 2 (out, in)")
+        out_f, in_f = (int(v) for v in shape)
+        s = self.scheme(module)
+        groups = -(-in_f // s.group_size) if s.group_size > 0 else 1
+        expected = {"weight_packed": (out_f, -(-in_f * s.bits // 32)), "weight_scale": (out_f, groups),
+                    "weight_zero_point": (-(-out_f * s.bits // 32), groups), "weight_g_idx": (in_f,)}  # fmt: skip
+        if not s.sym and f"{module}.weight_zero_point" not in self.stored:
+            raise InputError(f"{self.path}: {module}.weight_zero_point is missing (its scheme is asymmetric)")
+        for part, want in expected.items():
+            info = self.stored.get(f"{module}.{part}")
+            if info is not None and tuple(info.shape) != want:
+                raise InputError(f"{self.path}: {module}.{part} has shape {list(info.shape)}; weight_shape "
+                                 f"[{out_f}, {in_f}] at {s.bits} bits, group {s.group_size} needs {list(want)}")  # fmt: skip
+        return out_f, in_f
+
+    def stored_quantized(self, module: str) -> QuantizedTensor:
+        out_f, in_f = self.modules[module]
+        s = self.scheme(module)
+        codes = unpack_rows(self.raw(module, "weight_packed").t().contiguous(), s.bits, in_f).t().contiguous()
+        scales = self.raw(module, "weight_scale")
+        if s.sym:
+            zeros = torch.full(scales.shape, 1 << (s.bits - 1), dtype=torch.int32)
+        else:
+            zeros = unpack_rows(self.raw(module, "weight_zero_point"), s.bits, out_f)
+        g_idx = self.raw(module, "weight_g_idx").to(torch.int64) if f"{module}.weight_g_idx" in self.stored else None
+        qt = QuantizedTensor(codes=codes, scales=scales, bits=s.bits, group_size=s.group_size if s.group_size > 0 else in_f,
+                             zeros=zeros, g_idx=g_idx, grid="int")  # fmt: skip
+        return self._checked(module, qt)
+
+
+READERS: dict[str, type[PackedDirSource]] = {"gptq": GPTQDirSource, "awq": AWQDirSource,
+                                             "compressed-tensors": CompressedTensorsDirSource}  # fmt: skip
 
 
 def open_hf_dir(path: Path) -> ModelSource:
-    """An HF directory, read as GPTQ or AWQ when its config's quantization_config says so."""
+    """An HF directory, read as GPTQ, AWQ or compressed-tensors when its config's quantization_config says so."""
     config_path = path / "config.json"
     config = {}
     if config_path.is_file():

@@ -47,7 +47,8 @@ def check_heads(heads: int, kv_heads: int, where: str) -> None:
 
 def check_tensors(arch: Any, shapes: Mapping[str, Sequence[int]], where: str) -> None:
     """The architecture agrees with the tensors (HF names): as many layers as the config says, and
-    every tensor the family expects present (as `.weight`, or `.qweight` in GPTQ/AWQ checkpoints)
+    every tensor the family expects present (as `.weight`, or `.qweight` in GPTQ/AWQ checkpoints,
+    `.weight_packed` in compressed-tensors ones)
     with the shape the config implies. Catches a layer count, width or vocabulary that lies."""
     layers = {int(m.group(1)) for name in shapes if (m := _LAYER.match(name))}
     if layers != set(range(arch.num_layers)):
@@ -71,7 +72,7 @@ def _check_one(shapes: Mapping[str, Sequence[int]], name: str, shape: Sequence[i
     if name in shapes:
         if tuple(shapes[name]) != tuple(shape):
             raise InputError(f"{where}: {name} is {list(shapes[name])}; the config implies {list(shape)}")
-    elif name.removesuffix(".weight") + ".qweight" not in shapes:
+    elif not any(name.removesuffix(".weight") + packed in shapes for packed in (".qweight", ".weight_packed")):
         raise InputError(f"{where}: tensor {name} is missing")
 
 

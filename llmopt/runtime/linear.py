@@ -134,8 +134,9 @@ register(gguf_lattice.TYPES, _field(gguf_lattice.LatticeLinear))
 register(gguf_codes.TYPES, _field(gguf_codes.CodeLinear))
 register((q for q in Q if q not in REGISTRY and q not in DENSE_TYPES), _field(RawGGUFLinear))  # any other: slow, exact
 
-# GPTQ and AWQ (a packed checkpoint's quant_method): W = (q - z) s per group, read as a QuantizedTensor
-register(("gptq", "awq"),
+# GPTQ, AWQ and compressed-tensors (a packed checkpoint's quant_method): W = (q - z) s per group, read as a
+# QuantizedTensor
+register(("gptq", "awq", "compressed-tensors"),
          Candidate(lambda _, qt, bias, dtype, device: PackedInt4Linear.from_quantized(qt, bias, device),
                    lambda _, qt, dtype, device: packable(qt, device, dtype), rows=False),
          Candidate(lambda _, qt, bias, dtype, device: group_int.GroupIntLinear(qt, bias).to(device),

@@ -17,6 +17,7 @@ from typing import Any
 import llmopt
 from llmopt.errors import InputError
 from llmopt.formats.atomic import atomic_output_file
+from llmopt.names import CHECKPOINT_FORMATS
 
 FORMAT = 1
 
@@ -108,10 +109,12 @@ def model_card(m: dict[str, Any], name: str, recipe_entry: str) -> str:
     base = m["source"].get("hub_id") or m["model_name"]  # the hub's base_model names a repository
     tags = ["llmopt", "quantized", fmt] + ([e["type"]] if e.get("type") else [])
     front = ["---", f"base_model: {json.dumps(base)}", "quantized_by: llmopt", "tags:"] + [f"- {t}" for t in tags]
-    if fmt in ("gptq", "awq", "dense", "hf"):
+    if fmt in (*CHECKPOINT_FORMATS, "hf"):
         front.append("library_name: transformers")
     front.append("---")
-    what = e.get("type") or (f"{e['options'].get('bits')}-bit {fmt.upper()}" if fmt in ("gptq", "awq") else fmt)
+    packed = fmt in CHECKPOINT_FORMATS and fmt != "dense"
+    what = e.get("type") or (f"{e['options'].get('bits')}-bit {fmt if fmt == 'compressed-tensors' else fmt.upper()}"
+                             if packed else fmt)  # fmt: skip
     body = [f"# {m['model_name']} {what}", "",
             f"Made with llmopt {m['versions']['llmopt']} from `{m['source']['model']}` (sha256 `{m['source']['sha256'][:16]}`).", "",
             "| file | bytes | bits/weight | sha256 |", "|---|---:|---:|---|"]  # fmt: skip

@@ -140,7 +140,7 @@ class _Gguf(_Output):
 
 
 class _Checkpoint(_Output):
-    """`llmopt quantize`: a GPTQ or AWQ checkpoint (or dense float16) made layer by layer."""
+    """`llmopt quantize`: a GPTQ, AWQ or compressed-tensors checkpoint (or dense float16) made layer by layer."""
 
     format: Literal[CHECKPOINT_FORMATS]  # type: ignore[valid-type]
 
@@ -188,8 +188,8 @@ Imatrix = create_model("Imatrix", __base__=_Imatrix, **_fields(ImatrixOptions, s
                                                                chunks=None, ctx_size=None))  # fmt: skip
 
 Output = Union[GgufOutput, CheckpointOutput, HfOutput]  # type: ignore[valid-type]
-OUTPUT_KINDS: dict[str, type[BaseModel]] = {"gguf": GgufOutput, "gptq": CheckpointOutput, "awq": CheckpointOutput,
-                                            "dense": CheckpointOutput, "hf": HfOutput}  # fmt: skip
+OUTPUT_KINDS: dict[str, type[BaseModel]] = {"gguf": GgufOutput, **dict.fromkeys(CHECKPOINT_FORMATS, CheckpointOutput),
+                                            "hf": HfOutput}  # fmt: skip
 # The library's keyword names that a recipe spells otherwise, for its error messages (the rest are the same words).
 RECIPE_KEYS = {**{d.name: d.spec.recipe for g in (QuantizeOptions, GgufOptions, HfOptions) for d in g.declared()
                   if d.spec.recipe and d.name not in CALIBRATION},

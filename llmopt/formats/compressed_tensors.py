@@ -1,0 +1,142 @@
+"""The compressed-tensors checkpoint layout, `pack-quantized` (llm-compressor's format; vLLM's native one).
+
+Per quantized linear `<module>` (4 or 8 bits, contiguous groups or one group per row):
+    weight_packed      int32 [out, in·bits/32]   signed q = code − 2^(b−1), stored offset by 2^(b−1) (= our
+                                                  code), packed along the input dim, value k at bits b·k
+    weight_scale       float16 [out, groups]      (groups 1: strategy "channel")
+    weight_zero_point  int32 [out·bits/32, groups] asymmetric only: signed zp = zero − 2^(b−1), stored offset
+                                                  (= our zero), packed along the output dim
+    weight_shape       int64 [2]                  (out, in), the dtype compressed-tensors itself writes
+W = (q − zp)·scale = (code − zero)·scale, so the codes are written without re-rounding.
+
+`config.json`'s `quantization_config` has one `config_groups` entry per (bits, group size) with a `re:`
+target naming exactly its modules (several with `--target-bpw`), the head in `ignore` when it stays float.
+compressed-tensors ≥ 0.18 refuses `actorder: "group"` (columns in permuted groups, `weight_g_idx`), so
+`--act-order` needs `--static-groups` here, written as `actorder: "weight"` (contiguous groups).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from llmopt.errors import OptionError
+from llmopt.model.packing import pack_rows, packed_length
+from llmopt.quant.grids.integer import group_count
+from llmopt.quant.pipeline import HEAD, QuantizeSpec
+from llmopt.quantized_tensor import QuantizedTensor
+
+QUANT_METHOD = "compressed-tensors"
+PACKED = "pack-quantized"
+BITS = (4, 8)  # what vLLM's WNA16 kernels (Marlin, Machete) take from this format
+FORMAT_VERSION = "0.20.1"  # the compressed-tensors release this layout was checked against
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def _act_order(spec: QuantizeSpec) -> tuple[bool, bool]:
+    """(act_order, static_groups) of the method, or of awq+gptq's GPTQ."""
+    gptq = getattr(spec.method, "gptq", None) or spec.method
+    return bool(getattr(gptq, "act_order", False)), bool(getattr(gptq, "static_groups", False))
+
+
+def targets(modules: list[str]) -> str:
+    """One `re:` target that matches exactly `modules` (re.match, as compressed-tensors and vLLM apply it):
+    the layers that share a set of module paths, alternated."""
+    paths: dict[str, set[int]] = {}
+    other: list[str] = []
+    for module in modules:
+        m = _LAYER.match(module)
+        if m is None:
+            other.append(re.escape(module))
+        else:
+            paths.setdefault(m.group(2), set()).add(int(m.group(1)))
+    by_layers: dict[tuple[int, ...], list[str]] = {}
+    for path, layers in paths.items():
+        by_layers.setdefault(tuple(sorted(layers)), []).append(re.escape(path))
+    parts = [rf"model\.layers\.({'|'.join(map(str, layers))})\.({'|'.join(sorted(ps))})"
+             for layers, ps in sorted(by_layers.items())] + sorted(other)  # fmt: skip
+    return f"re:^({'|'.join(parts)})$"
+
+
+def weight_args(bits: int, group_size: int, sym: bool, actorder: str | None) -> dict[str, Any]:
+    """A group's `weights` (compressed-tensors' QuantizationArgs): integer, static, group or channel."""
+    grouped = group_size > 0
+    args: dict[str, Any] = {"num_bits": bits, "type": "int", "symmetric": sym,
+                            "group_size": group_size if grouped else None,
+                            "strategy": "group" if grouped else "channel", "block_structure": None,
+                            "dynamic": False, "observer": "minmax", "observer_kwargs": {}}  # fmt: skip
+    if actorder:
+        args["actorder"] = actorder
+    return args
+
+
+class CompressedTensorsLayout:
+    name = QUANT_METHOD
+
+    def check(self, spec: QuantizeSpec) -> None:
+        for bits in sorted({spec.method.bits, *(b for b, _ in spec.dynamic.values())}):
+            if bits not in BITS:
+                raise OptionError(f"<bits> {bits}: compressed-tensors checkpoints hold "
+                                  f"{' or '.join(map(str, BITS))} bits (use <fmt> gptq or dense for others)")  # fmt: skip
+        act_order, static = _act_order(spec)
+        if act_order and not static and spec.method.group_size > 0:
+            raise OptionError("<act_order> needs <static_groups> in compressed-tensors checkpoints: compressed-tensors "
+                              "0.18 removed permuted groups (actorder 'group', g_idx); or use <fmt> gptq")  # fmt: skip
+
+    def parts(self, out_f: int, in_f: int, bits: int, group_size: int,
+              spec: QuantizeSpec | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:  # fmt: skip
+        groups = group_count(in_f, group_size) if group_size > 0 else 1
+        parts = [("weight_packed", (out_f, packed_length(in_f, bits)), torch.int32),
+                 ("weight_scale", (out_f, groups), torch.float16)]  # fmt: skip
+        if spec is not None and not spec.method.sym:
+            parts.append(("weight_zero_point", (packed_length(out_f, bits), groups), torch.int32))
+        return parts + [("weight_shape", (2,), torch.int64)]
+
+    def tensors(self, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
+        """One quantized linear as pack-quantized tensors; per-tensor parameters repeat on every row."""
+        out_f, in_f = qt.shape
+        if qt.g_idx is not None and not torch.equal(qt.group_index(), QuantizedTensor(
+                qt.codes, qt.scales, qt.bits, qt.group_size).group_index()):  # fmt: skip
+            raise ValueError("compressed-tensors checkpoints keep no g_idx: groups must be contiguous")
+        rows = (out_f, qt.scales.shape[1])
+        out = {"weight_packed": pack_rows(qt.codes.t(), qt.bits).t().contiguous(),
+               "weight_scale": qt.scales.to(torch.float32).expand(rows).to(torch.float16).contiguous()}  # fmt: skip
+        if qt.zeros is not None:
+            out["weight_zero_point"] = pack_rows(qt.zeros.to(torch.int64).expand(rows), qt.bits)
+        out["weight_shape"] = torch.tensor([out_f, in_f], dtype=torch.int64)
+        return out
+
+    def quantization_config(self, spec: QuantizeSpec, provenance: dict[str, Any],
+                            modules: Mapping[str, tuple[int, int]] | None = None) -> dict[str, Any]:  # fmt: skip
+        """One config group per (bits, group size), each naming its modules (`modules`: stored module ->
+        its setting; without it, every Linear but the head in one group)."""
+        act_order, static = _act_order(spec)
+        actorder = "weight" if act_order and static else None
+        settings: dict[tuple[int, int], list[str]] = {}
+        for module, setting in (modules or {}).items():
+            settings.setdefault(setting, []).append(module)
+        groups = {f"group_{i}": {"targets": [targets(names)], "weights": weight_args(*setting, spec.method.sym, actorder),
+                                 "input_activations": None, "output_activations": None, "format": PACKED}
+                  for i, (setting, names) in enumerate(sorted(settings.items()))}  # fmt: skip
+        if not groups:
+            groups = {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                  "weights": weight_args(spec.method.bits, spec.method.group_size, spec.method.sym, actorder),
+                                  "format": PACKED}}  # fmt: skip
+        return {
+            "quant_method": QUANT_METHOD,
+            "format": PACKED,
+            "quantization_status": "compressed",
+            "config_groups": groups,
+            "ignore": [] if spec.quantize_head else [HEAD],
+            "kv_cache_scheme": None,
+            "global_compression_ratio": None,
+            "sparsity_config": {},
+            "transform_config": {},
+            "version": FORMAT_VERSION,
+        }
+
+
+LAYOUT = CompressedTensorsLayout()

@@ -1,0 +1,104 @@
+"""What a compressed-tensors `quantization_config` says about each linear: its config group's weight scheme.
+
+llm-compressor (and llmopt's `--format compressed-tensors`) write `config_groups`, each with `targets`
+(a module name, a `re:` pattern matched with re.match, or a class name such as "Linear") and `weights`
+(QuantizationArgs). A module takes the group of its most specific target, as compressed-tensors orders
+them: exact name, then pattern, then class. This reader takes integer weight-only schemes stored
+`pack-quantized` (W4A16, W8A16, asymmetric or not, group or channel); anything else is one line.
+Used by `CompressedTensorsDirSource` (model/quantized_dir.py).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmopt.errors import InputError
+
+PACKED = "pack-quantized"
+STRATEGIES = ("group", "channel")
+BITS = (2, 4, 8)  # whole values per int32 word: compressed-tensors' packing is then ours (model/packing.py)
+ACTORDERS = (None, "weight", "static", "group", "dynamic")  # group/dynamic: permuted groups, weight_g_idx
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    bits: int
+    group_size: int  # > 0, or -1 per output channel
+    sym: bool
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str
+    targets: tuple[str, ...]
+    scheme: WeightScheme
+
+
+def _scheme(path: Path, name: str, group: object, top_format: object) -> WeightScheme:
+    """One config group's weights, or a one-line refusal of what the runtime cannot run as written."""
+    where = f"{path}: quantization_config.config_groups.{name}"
+    if not isinstance(group, dict):
+        raise InputError(f"{where} must be an object")
+    fmt = group.get("format") or top_format
+    if fmt != PACKED:
+        raise InputError(f"{where}: format {fmt!r} is not supported (llmopt reads {PACKED!r})")
+    w = group.get("weights")
+    if not isinstance(w, dict):
+        raise InputError(f"{where}: no weights scheme (llmopt reads integer weight-only schemes)")
+    if group.get("input_activations") or group.get("output_activations"):
+        raise InputError(f"{where}: quantized activations are not supported (llmopt reads weight-only schemes, W4A16/W8A16)")
+    kind, strategy, actorder = w.get("type", "int"), w.get("strategy"), w.get("actorder")
+    try:
+        bits = int(w.get("num_bits", 8))
+        group_size = int(w.get("group_size") or -1)
+    except (TypeError, ValueError):
+        raise InputError(f"{where}: bad num_bits or group_size") from None
+    if strategy is None:
+        strategy = "group" if group_size > 0 else "channel"
+    if kind != "int" or bits not in BITS or strategy not in STRATEGIES or w.get("dynamic") or actorder not in ACTORDERS:
+        raise InputError(f"{where}: weight scheme {kind} {bits}-bit {strategy} (dynamic {w.get('dynamic')}, actorder "
+                         f"{actorder}) is not supported (llmopt reads int {'/'.join(map(str, BITS))}-bit, group or "
+                         f"channel, static)")  # fmt: skip
+    if strategy == "group" and group_size <= 0:
+        raise InputError(f"{where}: strategy group needs a positive group_size, got {group_size}")
+    return WeightScheme(bits, group_size if strategy == "group" else -1, bool(w.get("symmetric", True)))
+
+
+def groups(path: Path, q: dict) -> list[Group]:
+    """Every config group of a compressed checkpoint's quantization_config, checked."""
+    status = q.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise InputError(f"{path}: quantization_status {status!r} is not supported (llmopt reads 'compressed' checkpoints)")
+    config_groups = q.get("config_groups")
+    if not isinstance(config_groups, dict) or not config_groups:
+        raise InputError(f"{path}: quantization_config.config_groups must name at least one group")
+    out = []
+    for name, group in config_groups.items():
+        scheme = _scheme(path, name, group, q.get("format"))
+        targets = group.get("targets")
+        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            raise InputError(f"{path}: quantization_config.config_groups.{name}.targets must be a list of strings")
+        for t in targets:
+            if t.startswith("re:"):
+                try:
+                    re.compile(t[3:])
+                except re.error as e:
+                    raise InputError(f"{path}: config_groups.{name} has a bad target {t!r} ({e})") from None
+        out.append(Group(name, tuple(targets), scheme))
+    return out
+
+
+def scheme_of(module: str, groups: list[Group], names: set[str]) -> WeightScheme | None:
+    """The scheme of `module`: its group by exact name, else by `re:` pattern, else by class (any other target,
+    as "Linear", that names no module of the checkpoint); None where no group targets it."""
+    for exact in (True, False):
+        for g in groups:
+            for t in g.targets:
+                if exact and t == module or not exact and t.startswith("re:") and re.match(t[3:], module):
+                    return g.scheme
+    for g in groups:
+        if any(not t.startswith("re:") and t not in names for t in g.targets):
+            return g.scheme
+    return None

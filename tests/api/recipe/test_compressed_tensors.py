@@ -1,0 +1,19 @@
+"""A recipe output `format: compressed-tensors` (its schema is generated from the quantize options)."""
+
+from __future__ import annotations
+
+import json
+
+
+def test_recipe_output_in_compressed_tensors(llmopt_here, tiny_models, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {tiny_models('llama')}\noutputs:\n"
+                      "  w8: {format: compressed-tensors, method: rtn, bits: 8, group_size: -1}\n")  # fmt: skip
+    result = llmopt_here("run", recipe, "--json")
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "out" / "w8"
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    (group,) = qc["config_groups"].values()
+    assert qc["quant_method"] == "compressed-tensors" and group["weights"]["strategy"] == "channel"
+    card = (out / "README.md").read_text()
+    assert "- compressed-tensors\nlibrary_name: transformers\n" in card and "8-bit compressed-tensors" in card

@@ -1,0 +1,133 @@
+"""compressed-tensors `pack-quantized` checkpoints written by llmopt: the packing is the package's own, what
+llmopt writes reads back exactly, and the compressed-tensors package decompresses it to the same weights
+(computed in the scale's float16, so equal to ours rounded to float16)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor, pack_to_int32
+from compressed_tensors.quantization import QuantizationConfig
+from compressed_tensors.utils.match import match_name
+from safetensors.torch import load_file
+
+from llmopt.calibration.samples import CalibConfig, calibration_tokens
+from llmopt.calibration.text import CalibText
+from llmopt.errors import OptionError
+from llmopt.formats.checkpoint import check_spec
+from llmopt.model import open_model
+from llmopt.model.packing import pack_rows
+from llmopt.quant.gptq import GPTQConfig
+from llmopt.quant.pipeline import QuantizeSpec, quantize_model
+from llmopt.quant.rtn import RTNConfig
+from tests.factories import CORPUS, write_checkpoint
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("cols", [64, 70])  # a last word only partly filled
+def test_packing_is_the_packages(bits, cols) -> None:
+    """Our codes packed along the inputs are pack_to_int32 of the signed values (code − 2^(b−1)), and zero points
+    packed along the outputs are its packed_dim=0."""
+    codes = torch.randint(0, 1 << bits, (5, cols), generator=torch.Generator().manual_seed(bits + cols))
+    signed = (codes - (1 << (bits - 1))).to(torch.int8)
+    assert torch.equal(pack_rows(codes.t(), bits).t(), pack_to_int32(signed, bits))
+    assert torch.equal(pack_rows(codes, bits), pack_to_int32(signed, bits, packed_dim=0))
+
+
+def package_weights(out) -> dict[str, torch.Tensor]:
+    """Every packed module of `out` as the compressed-tensors package decompresses it, each with the scheme of
+    the config group whose targets match its name (the package's own matching)."""
+    config = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
+    state = load_file(out / "model.safetensors")
+    modules = sorted({k.rpartition(".")[0] for k in state if k.endswith(".weight_packed")})
+    weights = {}
+    for module in modules:
+        schemes = [g for g in config.config_groups.values() if any(match_name(module, t) for t in g.targets)]
+        assert len(schemes) == 1, module  # every module in exactly one group
+        local = {k.rpartition(".")[2]: v for k, v in state.items() if k.rpartition(".")[0] == module}
+        weights[module] = PackedQuantizationCompressor.decompress(local, schemes[0])["weight"]
+    return weights
+
+
+def write(tiny_models, tmp_path, method, name: str = "ct", tokens=None, **spec_fields) -> tuple:
+    spec = QuantizeSpec(method, **spec_fields)
+    produced = {}
+    with open_model(tiny_models("llama")) as src:
+        out = write_checkpoint(src, spec, quantize_model(src, spec, tokens), tmp_path / name, fmt="compressed-tensors",
+                               on_block=lambda b: produced.update({k: v.dequantize() for k, v in b.tensors.items()}))
+    return out, produced
+
+
+@pytest.mark.parametrize("bits,group_size,sym", [(4, 32, True), (4, 32, False), (8, -1, True), (8, -1, False), (4, 0, False)])
+def test_reads_back_exactly_and_the_package_decompresses_the_same_weights(tiny_models, tmp_path, bits, group_size, sym):
+    out, produced = write(tiny_models, tmp_path, RTNConfig(bits, group_size, sym))
+    ours = {}
+    with open_model(out) as q:
+        assert q.kind == "hf-compressed-tensors"
+        for module, w in produced.items():
+            ours[module] = q.load(f"{module}.weight")
+            assert torch.equal(ours[module], w), module
+    theirs = package_weights(out)
+    assert set(theirs) == set(produced) and len(theirs) == 14
+    for module, w in theirs.items():
+        assert w.dtype == torch.float16  # the scale's dtype
+        assert torch.equal(w, ours[module].half()), module  # max abs diff 0 against ours rounded to float16
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    (group,) = qc["config_groups"].values()
+    assert (qc["quant_method"], qc["format"], qc["quantization_status"], qc["ignore"]) == \
+        ("compressed-tensors", "pack-quantized", "compressed", ["lm_head"])  # fmt: skip
+    strategy = "group" if group_size > 0 else "channel"
+    assert (group["weights"]["num_bits"], group["weights"]["strategy"], group["weights"]["symmetric"]) == (bits, strategy, sym)
+    state = load_file(out / "model.safetensors")
+    down = "model.layers.0.mlp.down_proj"  # [64, 128]
+    groups = 128 // group_size if group_size > 0 else 1
+    assert state[f"{down}.weight_packed"].shape == (64, 128 * bits // 32) and state[f"{down}.weight_packed"].dtype == torch.int32
+    assert state[f"{down}.weight_scale"].shape == (64, groups) and state[f"{down}.weight_scale"].dtype == torch.float16
+    assert state[f"{down}.weight_shape"].tolist() == [64, 128] and state[f"{down}.weight_shape"].dtype == torch.int64
+    assert (f"{down}.weight_zero_point" in state) == (not sym) and f"{down}.weight_g_idx" not in state
+    if not sym:
+        assert state[f"{down}.weight_zero_point"].shape == (64 * bits // 32, groups)
+
+
+def test_per_module_bits_are_several_groups_naming_their_modules(tiny_models, tmp_path):
+    """spec.dynamic (what --target-bpw chooses) becomes one config group per setting; the package's matching
+    puts each module in its own setting's group, and both readers give its weights."""
+    dynamic = {"model.layers.1.self_attn.q_proj": (8, -1), "model.layers.1.self_attn.k_proj": (8, -1),
+               "model.layers.0.mlp.down_proj": (4, 64)}  # fmt: skip
+    out, produced = write(tiny_models, tmp_path, RTNConfig(4, 32, True), dynamic=dynamic)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert len(qc["config_groups"]) == 3
+    theirs = package_weights(out)
+    with open_model(out) as q:
+        for module, w in produced.items():
+            assert q.module_config(module) == dynamic.get(module, (4, 32))
+            assert torch.equal(q.load(f"{module}.weight"), w) and torch.equal(theirs[module], w.half()), module
+
+
+def test_act_order_with_static_groups_is_actorder_weight(tiny_models, tmp_path):
+    """GPTQ's act-order with static groups keeps contiguous groups: `actorder: "weight"`, no g_idx, read back
+    exactly by both readers."""
+    with open_model(tiny_models("llama")) as src:
+        tokens = calibration_tokens(CalibText([CORPUS], "c", "0"), src.tokenizer().encode, CalibConfig("c", None, 4, 32, 0))
+    out, produced = write(tiny_models, tmp_path, GPTQConfig(4, 32, act_order=True, static_groups=True), tokens=tokens)
+    (group,) = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"].values()
+    assert group["weights"]["actorder"] == "weight"
+    theirs = package_weights(out)
+    with open_model(out) as q:
+        for module, w in produced.items():
+            assert torch.equal(q.load(f"{module}.weight"), w) and torch.equal(theirs[module], w.half()), module
+
+
+@pytest.mark.parametrize("method,expect", [
+    (RTNConfig(3, 32), "`bits` 3: compressed-tensors checkpoints hold 4 or 8 bits"),
+    (RTNConfig(2, 32), "`bits` 2"),
+    (GPTQConfig(4, 32, act_order=True), "`act_order` needs `static_groups`"),
+])  # fmt: skip
+def test_what_the_format_cannot_hold_is_one_line(method, expect):
+    with pytest.raises(OptionError) as e:
+        check_spec(QuantizeSpec(method), "compressed-tensors")
+    assert expect in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(OptionError, match="`bits` 3"):
+        check_spec(QuantizeSpec(RTNConfig(4, 32), dynamic={"model.layers.0.mlp.up_proj": (3, 32)}), "compressed-tensors")

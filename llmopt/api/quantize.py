@@ -92,8 +92,9 @@ def prepare(options: QuantizeOptions, device: torch.device) -> QuantizeJob:
     spec = build_spec(options, method, sym, act_dtype=resolve_calib_dtype(options.calib_dtype, device),
                       zero_min=zero_min(fmt, sym))  # fmt: skip
     check_spec(spec, fmt)
-    if options.target_bpw is not None and fmt != "gptq":
-        raise OptionError(f"<target_bpw> writes per-module bits as GPTQModel's `dynamic`: it needs <fmt> gptq, not {fmt}")
+    if options.target_bpw is not None and fmt not in ("gptq", "compressed-tensors"):
+        raise OptionError(f"<target_bpw> writes per-module bits (GPTQModel's `dynamic`, compressed-tensors' config groups): "
+                          f"it needs <fmt> gptq or compressed-tensors, not {fmt}")  # fmt: skip
     calibration = calibration_config(options, options.nsamples) if calibrated else None
     return QuantizeJob(options, spec, fmt, calibration, parse_size(options.max_shard_size))
 
@@ -153,7 +154,7 @@ def quantize(model: str | Path, output: str | Path, options: QuantizeOptions | N
         mix = None
         if options.target_bpw is not None:
             mix = plan_bits(source, spec, options.target_bpw, calibration_config(options, options.sensitivity_samples),
-                            device=dev, cache=cache_path(Path(output).expanduser().resolve()), on_step=on_step)  # fmt: skip
+                            fmt=job.fmt, device=dev, cache=cache_path(Path(output).expanduser().resolve()), on_step=on_step)  # fmt: skip
             spec = dataclasses.replace(spec, dynamic=mix.dynamic)
             check_spec(spec, job.fmt)
         tokens, calib_info = calibrate(source, spec, job.calibration, dev, on_calibration)

@@ -25,6 +25,7 @@ from llmopt.quantized_tensor import QuantizedTensor
 
 class AWQLayout:
     name = "awq"
+    bits = (4,)
 
     def check(self, spec: QuantizeSpec) -> None:
         m = spec.method

@@ -42,6 +42,7 @@ class Layout(Protocol):
     """How one format stores a quantized linear."""
 
     name: str
+    bits: tuple[int, ...]  # the bit widths it holds
 
     def check(self, spec: QuantizeSpec) -> None: ...
 
@@ -58,6 +59,7 @@ class Dense:
     """Dequantized float16 weights, no quantization_config: for tools that read no packed format."""
 
     name = "dense"
+    bits = tuple(range(2, 9))
 
     def check(self, spec: QuantizeSpec) -> None:
         pass

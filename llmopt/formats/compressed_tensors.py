@@ -75,10 +75,11 @@ def weight_args(bits: int, group_size: int, sym: bool, actorder: str | None) -> 
 
 class CompressedTensorsLayout:
     name = QUANT_METHOD
+    bits = BITS
 
     def check(self, spec: QuantizeSpec) -> None:
         for bits in sorted({spec.method.bits, *(b for b, _ in spec.dynamic.values())}):
-            if bits not in BITS:
+            if bits not in self.bits:
                 raise OptionError(f"<bits> {bits}: compressed-tensors checkpoints hold "
                                   f"{' or '.join(map(str, BITS))} bits (use <fmt> gptq or dense for others)")  # fmt: skip
         act_order, static = _act_order(spec)

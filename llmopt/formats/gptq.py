@@ -48,6 +48,7 @@ def dynamic_overrides(modules: Mapping[str, tuple[int, int]]) -> dict[str, dict[
 
 class GPTQLayout:
     name = "gptq"
+    bits = PACK_BITS
 
     def check(self, spec: QuantizeSpec) -> None:
         for bits in {spec.method.bits, *(b for b, _ in spec.dynamic.values())}:

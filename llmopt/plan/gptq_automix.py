@@ -1,12 +1,14 @@
-"""Automatic per-module bits for GPTQ checkpoints: the least predicted KL at a target bits/weight.
+"""Automatic per-module bits for GPTQ and compressed-tensors checkpoints: the least predicted KL at a
+target bits/weight.
 
 The GGUF automatic mix (`plan/gguf_automix.py`) for the integer grid: each stage of linears
 that read one input (q/k/v, gate/up, o, down: the family's stage table) takes one (bits, group
-size) among `CANDIDATES`, so that the projections vLLM fuses into one kernel share it. A module's
+size) among `CANDIDATES` that the format holds, so that the projections vLLM fuses into one kernel share it. A module's
 cost is the KL its rounding adds (Fisher-predicted, `llmopt.plan.fisher`, rounded to nearest
-on that grid); bytes are what the checkpoint stores for it (qweight, qzeros, scales, g_idx).
+on that grid); bytes are what the format's layout stores for it (GPTQ: qweight, qzeros, scales, g_idx).
 Bits per weight count those bytes over the quantized linears' weights. The choice is written as
-GPTQModel's `dynamic` overrides (`formats/gptq.py`), which GPTQModel and vLLM apply per module.
+GPTQModel's `dynamic` overrides (`formats/gptq.py`), which GPTQModel and vLLM apply per module, or as
+compressed-tensors config groups (`formats/compressed_tensors.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from llmopt.calibration.samples import CalibConfig, load_calibration
 from llmopt.errors import OptionError
-from llmopt.formats.gptq import LAYOUT
+from llmopt.formats.checkpoint import Layout, layout
 from llmopt.model.source import ModelSource
 from llmopt.plan.allocate import Option, allocate
 from llmopt.plan.sensitivity import cache_key, load, measure, save
@@ -37,9 +39,11 @@ def option_name(bits: int, group_size: int) -> str:
     return f"{bits}g{group_size}"
 
 
-def module_nbytes(out_f: int, in_f: int, bits: int, group_size: int) -> int:
-    """Bytes of one GPTQ linear in the checkpoint."""
-    return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in LAYOUT.parts(out_f, in_f, bits, group_size))
+def module_nbytes(out_f: int, in_f: int, bits: int, group_size: int, fmt: Layout | None = None,
+                  spec: QuantizeSpec | None = None) -> int:  # fmt: skip
+    """Bytes of one linear in a checkpoint of `fmt` (default: GPTQ)."""
+    parts = (fmt or layout("gptq")).parts(out_f, in_f, bits, group_size, spec=spec)
+    return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in parts)
 
 
 @dataclass
@@ -58,24 +62,29 @@ class BitsMix:
 
 
 def plan_bits(source: ModelSource, spec: QuantizeSpec, target_bpw: float, calib: CalibConfig, *,
-              cache: Path | None = None, device: torch.device | str = "cpu",
+              fmt: str = "gptq", cache: Path | None = None, device: torch.device | str = "cpu",
               on_step: Callable[[str, int, int], None] | None = None) -> BitsMix:  # fmt: skip
-    """Per-module (bits, group size) of least predicted KL whose checkpoint bytes fit `target_bpw`."""
+    """Per-module (bits, group size) of least predicted KL whose bytes in a `fmt` checkpoint fit `target_bpw`."""
     base = (spec.method.bits, spec.method.group_size)
     stages = _stages(source, spec)
     shapes = {m: _shape(source, m) for stage in stages for m in stage}
-    options = {m: [c for c in CANDIDATES if c[1] <= shapes[m][1]] for m in shapes}
+    held = layout(fmt)
+    options = {m: [c for c in CANDIDATES if c[1] <= shapes[m][1] and c[0] in held.bits] for m in shapes}
+
+    def size(out_f: int, in_f: int, bits: int, group_size: int) -> int:
+        return module_nbytes(out_f, in_f, bits, group_size, held, spec)
+
     weights = sum(o * i for o, i in shapes.values())
     items = []
     budget = int(target_bpw * weights / 8)
-    least = sum(min(module_nbytes(*shapes[m], *c) for c in options[m]) for m in shapes)
+    least = sum(min(size(*shapes[m], *c) for c in options[m]) for m in shapes)
     if budget < least:
         raise OptionError(f"<target_bpw> {target_bpw}: the fewest bits this model's linears take is "
                           f"{8 * least / weights:.3f} bits/weight")  # fmt: skip
     names = {m: head_weight_name(source) if m == HEAD else f"{m}.weight" for m in shapes}
     grid = spec.method.grid()
     key = cache_key(source, {**calib.__dict__, "sym": spec.method.sym, "zero_min": getattr(grid, "zero_min", 0)},
-                    names, [option_name(*c) for c in CANDIDATES], ESTIMATOR)  # fmt: skip
+                    names, [option_name(*c) for c in CANDIDATES if c[0] in held.bits], ESTIMATOR)  # fmt: skip
     start = time.perf_counter()
     sens = load(cache, key)
     cached = sens is not None
@@ -92,7 +101,7 @@ def plan_bits(source: ModelSource, spec: QuantizeSpec, target_bpw: float, calib:
             save(sens, cache)
     for stage in stages:  # one option for the whole stage, available to every member
         shared = [c for c in options[stage[0]] if all(c in options[m] for m in stage)]
-        items.append([Option(option_name(*c), sum(module_nbytes(*shapes[m], *c) for m in stage),
+        items.append([Option(option_name(*c), sum(size(*shapes[m], *c) for m in stage),
                              sum(sens.cost[m][sens.options[m].index(option_name(*c))] for m in stage))
                       for c in shared])  # fmt: skip
     result = allocate(items, budget)

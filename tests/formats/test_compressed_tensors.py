@@ -131,3 +131,31 @@ def test_what_the_format_cannot_hold_is_one_line(method, expect):
     assert expect in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(OptionError, match="`bits` 3"):
         check_spec(QuantizeSpec(RTNConfig(4, 32), dynamic={"model.layers.0.mlp.up_proj": (3, 32)}), "compressed-tensors")
+
+
+def test_target_bpw_chooses_among_the_bits_the_format_holds(tiny_models, tmp_path):
+    """`--target-bpw` with this format: each stage takes 4 or 8 bits (never GPTQ's 2 or 3), the checkpoint's
+    quantized linears fit the target, and the package's decompressor agrees with llmopt's reader on every
+    module under its own group."""
+    from llmopt.api.quantize import quantize
+    from llmopt.plan.gptq_automix import module_nbytes
+    from llmopt.formats.checkpoint import layout
+
+    calib = tmp_path / "c.txt"
+    calib.write_text(CORPUS)
+    out = tmp_path / "mix"
+    result = quantize(tiny_models("llama"), out, method="gptq", bits=4, group_size=32, calib=str(calib), nsamples=4,
+                      seqlen=48, target_bpw=6.0, sensitivity_samples=2, fmt="compressed-tensors")  # fmt: skip
+    assert result.automix is not None and result.automix.bits_per_weight <= 6.0
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    bits = {g["weights"]["num_bits"] for g in qc["config_groups"].values()}
+    assert bits == {4, 8}  # a mix, of what the format holds
+    theirs = package_weights(out)
+    stored = weights = 0
+    with open_model(out) as q:
+        for module, w in theirs.items():
+            assert torch.equal(w, q.load(f"{module}.weight").half()), module
+            out_f, in_f = q.modules[module]
+            stored += module_nbytes(out_f, in_f, *q.module_config(module), layout("compressed-tensors"), result.spec)
+            weights += out_f * in_f
+    assert 8 * stored / weights <= 6.0

@@ -32,6 +32,7 @@ import llmopt
 from llmopt.errors import LlmoptError
 from llmopt.formats.atomic import atomic_output_file
 from llmopt.model.source import ModelSource
+from llmopt.quant.grids import grid_identity
 from llmopt.quant.pipeline import BlockResult, LayerReport, Progress, QuantizeSpec, quantized_modules
 from llmopt.quantized_tensor import QuantizedTensor
 
@@ -46,7 +47,7 @@ def run_key(source: ModelSource, spec: QuantizeSpec, tokens: torch.Tensor, devic
         "llmopt": llmopt.__version__,
         "files": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files],
         "method": repr(spec.method),
-        "grids": [repr(spec.grid_for(m)) for m in quantized_modules(source, spec)],
+        "grids": [grid_identity(spec.grid_for(m)) for m in quantized_modules(source, spec)],
         "dynamic": sorted(spec.dynamic.items()),
         "batch": spec.batch_size, "act_dtype": str(spec.act_dtype), "head": spec.quantize_head,
         "tokens": hashlib.sha256(tokens.cpu().contiguous().numpy().tobytes()).hexdigest(), "shape": list(tokens.shape),

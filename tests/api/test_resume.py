@@ -105,3 +105,32 @@ def test_a_block_result_survives_the_disk_field_for_field(tmp_path):
             else:
                 assert x == y
     assert torch.equal(back.updated["m.norm.weight"], result.updated["m.norm.weight"])
+
+
+
+def _key_of_every_grid(model: str) -> list[str]:
+    """The resume key of a GPTQ run onto each GGUF grid and onto the integer grid (every module on it)."""
+    from llmopt.formats.resume import run_key
+    from llmopt.model import open_model
+    from llmopt.options import QuantizeOptions
+    from llmopt.quant.grids import GRIDS
+    from llmopt.quant.spec import build_spec
+
+    spec = build_spec(QuantizeOptions.of(), "gptq", True)
+    tokens = torch.arange(64).reshape(2, 32)
+    with open_model(model) as source:
+        keys = [run_key(source, dataclasses.replace(spec, grids=lambda _m, g=g: g), tokens, torch.device("cpu"))
+                for g in GRIDS.values()]  # fmt: skip
+        return [*keys, run_key(source, spec, tokens, torch.device("cpu"))]
+
+
+def test_the_resume_key_is_the_same_in_another_process_for_every_grid(tiny_models):
+    """A key that held a memory address (Q6_K's, Q3_K's and the i-quants' grids hold tables) made every GGUF
+    run with those types start over under `--resume`; the 7B-shape benchmark's automatic mix showed it."""
+    model = str(tiny_models("llama"))
+    code = f"import json; from tests.api.test_resume import _key_of_every_grid as k; print(json.dumps(k({model!r})))"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    there = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                      env=env, cwd=ROOT).stdout)  # fmt: skip
+    here = _key_of_every_grid(model)
+    assert here == there and len(set(here)) == len(here)

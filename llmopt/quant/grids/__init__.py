@@ -58,6 +58,13 @@ def _grid(ref: str) -> Any:
 GRIDS: dict[str, Any] = {name: _grid(parts.grid) for name, parts in PARTS.items()}  # every type llmopt writes, by GGML id
 
 
+def grid_identity(grid: Grid) -> str:
+    """What names a grid the same way in every process (a run's resume key): a GGML type's grid by its
+    type name (one grid object per type; some hold tables whose repr is an address), any other grid
+    (the integer grid) by its fields."""
+    return grid.name if GRIDS.get(grid.name) is grid else repr(grid)
+
+
 def gguf_grid(type_name: str) -> Any:
     """The grid of GGML type `type_name`."""
     grid = GRIDS.get(type_name)

@@ -89,6 +89,10 @@ class CompressedTensorsLayout:
 
     def parts(self, out_f: int, in_f: int, bits: int, group_size: int,
               spec: QuantizeSpec | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:  # fmt: skip
+        if group_size > 0 and in_f % group_size:
+            raise OptionError(f"<group_size> {group_size} does not divide a linear's {in_f} inputs: compressed-tensors "
+                              f"readers (the package, transformers, vLLM) take whole groups only; use a divisor of "
+                              f"{in_f} or -1")  # fmt: skip
         groups = group_count(in_f, group_size) if group_size > 0 else 1
         parts = [("weight_packed", (out_f, packed_length(in_f, bits)), torch.int32),
                  ("weight_scale", (out_f, groups), torch.float16)]  # fmt: skip

@@ -46,6 +46,18 @@ def module_nbytes(out_f: int, in_f: int, bits: int, group_size: int, fmt: Layout
     return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in parts)
 
 
+def _holds(fmt: Layout, out_f: int, in_f: int, bits: int, group_size: int, spec: QuantizeSpec) -> bool:
+    """Whether a checkpoint of `fmt` stores this linear with (bits, group_size): its widths, and whole groups
+    where it needs them (compressed-tensors)."""
+    if bits not in fmt.bits:
+        return False
+    try:
+        fmt.parts(out_f, in_f, bits, group_size, spec=spec)
+    except OptionError:
+        return False
+    return True
+
+
 @dataclass
 class BitsMix:
     dynamic: dict[str, tuple[int, int]]  # module -> (bits, group size), where it differs from the base
@@ -69,7 +81,7 @@ def plan_bits(source: ModelSource, spec: QuantizeSpec, target_bpw: float, calib:
     stages = _stages(source, spec)
     shapes = {m: _shape(source, m) for stage in stages for m in stage}
     held = layout(fmt)
-    options = {m: [c for c in CANDIDATES if c[1] <= shapes[m][1] and c[0] in held.bits] for m in shapes}
+    options = {m: [c for c in CANDIDATES if c[1] <= shapes[m][1] and _holds(held, *shapes[m], *c, spec)] for m in shapes}
 
     def size(out_f: int, in_f: int, bits: int, group_size: int) -> int:
         return module_nbytes(out_f, in_f, bits, group_size, held, spec)

@@ -133,6 +133,16 @@ def test_what_the_format_cannot_hold_is_one_line(method, expect):
         check_spec(QuantizeSpec(RTNConfig(4, 32), dynamic={"model.layers.0.mlp.up_proj": (3, 32)}), "compressed-tensors")
 
 
+def test_groups_must_divide_every_input_width(tiny_models, tmp_path):
+    """compressed-tensors' decompressor (and vLLM) take whole groups only: a group size that leaves a partial
+    last group is refused before anything is written."""
+    spec = QuantizeSpec(RTNConfig(4, 48))
+    with open_model(tiny_models("llama")) as src, pytest.raises(OptionError) as e:
+        write_checkpoint(src, spec, quantize_model(src, spec), tmp_path / "g48", fmt="compressed-tensors")
+    assert "`group_size` 48 does not divide a linear's 128 inputs" in str(e.value)
+    assert not (tmp_path / "g48").exists()
+
+
 def test_target_bpw_chooses_among_the_bits_the_format_holds(tiny_models, tmp_path):
     """`--target-bpw` with this format: each stage takes 4 or 8 bits (never GPTQ's 2 or 3), the checkpoint's
     quantized linears fit the target, and the package's decompressor agrees with llmopt's reader on every

@@ -1,0 +1,85 @@
+"""SmolLM2 in compressed-tensors, written once per module: the compressed-tensors package decompresses it to the
+weights llmopt reads, transformers greedy-decodes the tokens llmopt's runtime does, and GPTQ written in this
+format holds the same codes as the same run's GPTQ checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from llmopt.calibration.samples import CalibConfig, calibration_tokens
+from llmopt.calibration.text import read_texts
+from llmopt.formats.checkpoint import CheckpointWriter
+from llmopt.model import open_model
+from llmopt.quant.gptq import GPTQConfig
+from llmopt.quant.pipeline import QuantizeSpec, quantize_model
+from llmopt.quant.rtn import RTNConfig
+from tests.factories import write_checkpoint
+from tests.formats.test_compressed_tensors import package_weights
+
+pytestmark = pytest.mark.slow
+VALID = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext-2" / "valid.txt"
+PROMPT = "The history of the Roman Empire"
+
+
+@pytest.fixture(scope="module")
+def smol_ct(smollm2_hf, tmp_path_factory):
+    """W4A16 g64 by GPTQ with act-order and static groups, written by one pipeline run both as a GPTQ and as a
+    compressed-tensors checkpoint; RTN W4A16 asymmetric g64 and W8A16 per channel. (Group 64, not 128: SmolLM2's
+    576-wide inputs hold 4.5 groups of 128, and compressed-tensors' decompressor, like vLLM, takes whole groups.)"""
+    root = tmp_path_factory.mktemp("smol-ct")
+    out = {}
+    with open_model(smollm2_hf) as src:
+        tokens = calibration_tokens(read_texts(str(VALID)), src.tokenizer().encode, CalibConfig(str(VALID), None, 8, 128, 0))
+        spec = QuantizeSpec(GPTQConfig(4, 64, act_order=True, static_groups=True, damp=0.05))
+        with CheckpointWriter(src, spec, root / "gptq", "gptq") as gptq, \
+                CheckpointWriter(src, spec, root / "w4-gptq", "compressed-tensors") as ct:  # fmt: skip
+            for block in quantize_model(src, spec, tokens):
+                gptq.add(block)
+                ct.add(block)
+            out["gptq"], out["w4-gptq"] = gptq.finish(), ct.finish()
+        for name, method in (("w4-asym", RTNConfig(4, 64, sym=False)), ("w8-channel", RTNConfig(8, -1))):
+            spec = QuantizeSpec(method)
+            out[name] = write_checkpoint(src, spec, quantize_model(src, spec), root / name, fmt="compressed-tensors")
+    return out
+
+
+@pytest.mark.parametrize("name", ["w4-gptq", "w4-asym", "w8-channel"])
+def test_package_decompresses_the_weights_llmopt_reads(smol_ct, name):
+    """Every linear: the package's decompressor (in the float16 of the scales) equals llmopt's float32 weights
+    rounded to float16, max abs diff 0."""
+    theirs = package_weights(smol_ct[name])
+    assert len(theirs) == 30 * 7
+    with open_model(smol_ct[name]) as src:
+        for module, w in theirs.items():
+            assert torch.equal(w, src.load(f"{module}.weight").half()), module
+
+
+@pytest.mark.parametrize("name", ["w4-gptq", "w8-channel"])
+def test_transformers_greedy_tokens_are_llmopts(smol_ct, name):
+    """32 greedy tokens from transformers (its compressed-tensors quantizer) and from llmopt's runtime (packed
+    layers as bit planes), float32. transformers 5.25 with compressed-tensors 0.20.1 does not load asymmetric
+    pack-quantized files, the package's own included (tests/model/test_compressed_tensors.py)."""
+    from llmopt.api.generate import generate
+    from llmopt.runtime.weights import load_model
+
+    loaded = load_model(str(smol_ct[name]), "float32", "cpu")
+    ours = generate(loaded, PROMPT, max_tokens=32, ignore_eos=True, temperature=0).token_ids
+    ids = torch.tensor([loaded.tokenizer.encode(PROMPT)])
+    model = transformers.AutoModelForCausalLM.from_pretrained(smol_ct[name], dtype=torch.float32)
+    with torch.no_grad():
+        theirs = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert len(ours) == 32 and ours == theirs and len(set(ours)) > 10
+
+
+def test_gptq_in_compressed_tensors_has_the_gptq_checkpoints_codes(smol_ct):
+    """The same run written both ways: codes, scales and zero points of every linear equal, groups the same."""
+    with open_model(smol_ct["gptq"]) as gptq, open_model(smol_ct["w4-gptq"]) as ct:
+        assert set(gptq.modules) == set(ct.modules) and len(ct.modules) == 30 * 7
+        for module in ct.modules:
+            a, b = gptq.quantized(module), ct.quantized(module)
+            assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales), module
+            assert torch.equal(a.zeros, b.zeros) and torch.equal(a.group_index(), b.group_index()), module

@@ -31,7 +31,7 @@ BAD = [
     ("model: MODEL", "model: ./missing-model", "`model` ./missing-model: no such file", "./missing-model"),
     ("model: MODEL", "modell: MODEL", "unknown key `modell`", "modell"),
     ("  rtn:", "  q8:", "duplicate key `q8` (first at line 5)", "q8: {format: gptq"),
-    ("format: gguf", "format: ggml", "`format` 'ggml': expected one of gguf, gptq, awq, dense, hf", "ggml"),
+    ("format: gguf", "format: ggml", "`format` 'ggml': expected one of gguf, gptq, awq, compressed-tensors, dense, hf", "ggml"),
     ("q8: {format", "q8: [format", "not valid YAML", None),
     ("calib.txt, nsamples", "nowhere.txt, nsamples", "`calibration.data` nowhere.txt: no such file", "nowhere.txt"),
     ("eval: {data: calib.txt", "eval: {data: none.txt", "`eval.data` none.txt: no such file", "none.txt"),
@@ -47,7 +47,7 @@ BAD = [
     ("method: rtn, bits: 4, group_size: 32", "method: gptq, bits: 4, group_size: 0", "`group_size` 0 (per tensor) is for rtn", None),
     ("type: Q8_0", "type: Q8_0, target_size: 10XB", "bad `target_size` '10XB'", None),
     ("type: Q8_0", "type: Q8_0, target_size: 1MB, target_bpw: 4", "are two ways to say one thing", None),
-    ("rtn: {format: gptq", "rtn: {format: awq, target_bpw: 3", "it needs `format` gptq, not awq", "3, method"),
+    ("rtn: {format: gptq", "rtn: {format: awq, target_bpw: 3", "it needs `format` gptq or compressed-tensors, not awq", "3, method"),
 ]
 
 

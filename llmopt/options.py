@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from llmopt.errors import OptionError
-from llmopt.names import CALIB_DTYPES, CHECKPOINT_FORMATS, FLOAT_DTYPES, METHODS
+from llmopt.names import CALIB_DTYPES, CHECKPOINT_FORMATS, FLOAT_DTYPES, METHODS, SCHEMES
 
 # An options class: an immutable value with no generated __eq__ or __repr__ (there are twenty such classes
 # and every command line defines them all: each generated method is start-up time).
@@ -243,16 +243,20 @@ class QuantizeOptions(CalibrationOptions, RoundingOptions, AutomixOptions, Shard
                              "weights.", choices=CHECKPOINT_FORMATS, flags=("--format",),
                              recipe="format", show_default=False)  # fmt: skip
     quantize_head: bool = option(False, "Quantize the LM head too (embeddings and norms never are).")
+    scheme: str | None = option(None, "fp8-dynamic: float8 e4m3 weights with a float32 scale per output channel, "
+                                "activations quantized per token at run time (vLLM's FP8 W8A8); rounds to nearest, "
+                                "written as compressed-tensors (instead of --bits/--group-size/--sym).",
+                                choices=SCHEMES, show_default=False)  # fmt: skip
 
     @property
     def method_name(self) -> str:
-        """The method: as given, else the format's own (awq for an AWQ checkpoint), else gptq."""
-        return self.method or ("awq" if self.fmt == "awq" else "gptq")
+        """The method: as given, else the format's own (awq for an AWQ checkpoint; rtn for a scheme), else gptq."""
+        return self.method or ("awq" if self.fmt == "awq" else "rtn" if self.scheme else "gptq")
 
     @property
     def format_name(self) -> str:
-        """The checkpoint format: as given, else the method's own."""
-        return self.fmt or ("awq" if self.method_name.startswith("awq") else "gptq")
+        """The checkpoint format: as given, else the scheme's or the method's own."""
+        return self.fmt or ("compressed-tensors" if self.scheme else "awq" if self.method_name.startswith("awq") else "gptq")
 
 
 @_options

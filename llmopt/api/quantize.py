@@ -92,6 +92,8 @@ def prepare(options: QuantizeOptions, device: torch.device) -> QuantizeJob:
     spec = build_spec(options, method, sym, act_dtype=resolve_calib_dtype(options.calib_dtype, device),
                       zero_min=zero_min(fmt, sym))  # fmt: skip
     check_spec(spec, fmt)
+    if options.scheme is not None and fmt not in ("compressed-tensors", "dense"):
+        raise OptionError(f"<scheme> {options.scheme} is written as <fmt> compressed-tensors or dense, not {fmt}")
     if options.target_bpw is not None and fmt not in ("gptq", "compressed-tensors"):
         raise OptionError(f"<target_bpw> writes per-module bits (GPTQModel's `dynamic`, compressed-tensors' config groups): "
                           f"it needs <fmt> gptq or compressed-tensors, not {fmt}")  # fmt: skip

@@ -9,6 +9,10 @@ Per quantized linear `<module>` (4 or 8 bits, contiguous groups or one group per
     weight_shape       int64 [2]                  (out, in), the dtype compressed-tensors itself writes
 W = (q − zp)·scale = (code − zero)·scale, so the codes are written without re-rounding.
 
+`--scheme fp8-dynamic` (quant/grids/fp8.py) is written `float-quantized`: `weight` float8_e4m3fn [out, in]
+and `weight_scale` float32 [out, 1], W = weight·scale, with activations quantized per token at run time
+(`input_activations` dynamic, strategy "token"), vLLM's FP8 W8A8.
+
 `config.json`'s `quantization_config` has one `config_groups` entry per (bits, group size) with a `re:`
 target naming exactly its modules (several with `--target-bpw`), the head in `ignore` when it stays float.
 compressed-tensors ≥ 0.18 refuses `actorder: "group"` (columns in permuted groups, `weight_g_idx`), so
@@ -25,12 +29,14 @@ import torch
 
 from llmopt.errors import OptionError
 from llmopt.model.packing import pack_rows, packed_length
+from llmopt.quant.grids import fp8
 from llmopt.quant.grids.integer import group_count
 from llmopt.quant.pipeline import HEAD, QuantizeSpec
 from llmopt.quantized_tensor import QuantizedTensor
 
 QUANT_METHOD = "compressed-tensors"
 PACKED = "pack-quantized"
+FLOAT = "float-quantized"
 BITS = (4, 8)  # what vLLM's WNA16 kernels (Marlin, Machete) take from this format
 FORMAT_VERSION = "0.20.1"  # the compressed-tensors release this layout was checked against
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -40,6 +46,20 @@ def _act_order(spec: QuantizeSpec) -> tuple[bool, bool]:
     """(act_order, static_groups) of the method, or of awq+gptq's GPTQ."""
     gptq = getattr(spec.method, "gptq", None) or spec.method
     return bool(getattr(gptq, "act_order", False)), bool(getattr(gptq, "static_groups", False))
+
+
+def is_fp8(spec: QuantizeSpec) -> bool:
+    """Whether the spec rounds onto the FP8 grid (`--scheme fp8-dynamic`: one grid for every module)."""
+    return spec.grids is not None and spec.grid_for(HEAD).name == fp8.NAME
+
+
+def fp8_scheme() -> dict[str, Any]:
+    """FP8 W8A8 as compressed-tensors' FP8_DYNAMIC preset states it: float8 weights per channel, static;
+    activations float8 per token, dynamic."""
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "channel",
+               "block_structure": None, "dynamic": False, "observer": "minmax", "observer_kwargs": {}}  # fmt: skip
+    acts = {**weights, "strategy": "token", "dynamic": True, "observer": None}
+    return {"weights": weights, "input_activations": acts, "output_activations": None, "format": FLOAT}
 
 
 def targets(modules: list[str]) -> str:
@@ -78,6 +98,8 @@ class CompressedTensorsLayout:
     bits = BITS
 
     def check(self, spec: QuantizeSpec) -> None:
+        if is_fp8(spec):
+            return
         for bits in sorted({spec.method.bits, *(b for b, _ in spec.dynamic.values())}):
             if bits not in self.bits:
                 raise OptionError(f"<bits> {bits}: compressed-tensors checkpoints hold "
@@ -89,6 +111,8 @@ class CompressedTensorsLayout:
 
     def parts(self, out_f: int, in_f: int, bits: int, group_size: int,
               spec: QuantizeSpec | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:  # fmt: skip
+        if spec is not None and is_fp8(spec):
+            return [("weight", (out_f, in_f), torch.float8_e4m3fn), ("weight_scale", (out_f, 1), torch.float32)]
         if group_size > 0 and in_f % group_size:
             raise OptionError(f"<group_size> {group_size} does not divide a linear's {in_f} inputs: compressed-tensors "
                               f"readers (the package, transformers, vLLM) take whole groups only; use a divisor of "
@@ -103,6 +127,8 @@ class CompressedTensorsLayout:
     def tensors(self, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
         """One quantized linear as pack-quantized tensors; per-tensor parameters repeat on every row."""
         out_f, in_f = qt.shape
+        if qt.grid == fp8.NAME:  # exact: scale·2^9 undoes the code's step (quant/grids/fp8.py)
+            return {"weight": fp8.values_of(qt.codes), "weight_scale": (qt.scales.to(torch.float32) * fp8.STEP).contiguous()}
         if qt.g_idx is not None and not torch.equal(qt.group_index(), QuantizedTensor(
                 qt.codes, qt.scales, qt.bits, qt.group_size).group_index()):  # fmt: skip
             raise ValueError("compressed-tensors checkpoints keep no g_idx: groups must be contiguous")
@@ -118,6 +144,9 @@ class CompressedTensorsLayout:
                             modules: Mapping[str, tuple[int, int]] | None = None) -> dict[str, Any]:  # fmt: skip
         """One config group per (bits, group size), each naming its modules (`modules`: stored module ->
         its setting; without it, every Linear but the head in one group)."""
+        if is_fp8(spec):
+            groups = {"group_0": {"targets": [targets(list(modules))] if modules else ["Linear"], **fp8_scheme()}}
+            return self._config(spec, groups, FLOAT)
         act_order, static = _act_order(spec)
         actorder = "weight" if act_order and static else None
         settings: dict[tuple[int, int], list[str]] = {}
@@ -130,9 +159,12 @@ class CompressedTensorsLayout:
             groups = {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
                                   "weights": weight_args(spec.method.bits, spec.method.group_size, spec.method.sym, actorder),
                                   "format": PACKED}}  # fmt: skip
+        return self._config(spec, groups, PACKED)
+
+    def _config(self, spec: QuantizeSpec, groups: dict[str, Any], fmt: str) -> dict[str, Any]:
         return {
             "quant_method": QUANT_METHOD,
-            "format": PACKED,
+            "format": fmt,
             "quantization_status": "compressed",
             "config_groups": groups,
             "ignore": [] if spec.quantize_head else [HEAD],

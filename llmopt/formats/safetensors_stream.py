@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 
 DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32",
-               torch.int64: "I64", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+               torch.int64: "I64", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+               torch.float8_e4m3fn: "F8_E4M3"}  # fmt: skip
 ITEMSIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.int32: 4, torch.int64: 8,
-            torch.int16: 2, torch.int8: 1, torch.uint8: 1, torch.bool: 1}
+            torch.int16: 2, torch.int8: 1, torch.uint8: 1, torch.bool: 1, torch.float8_e4m3fn: 1}
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,8 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().contiguous().cpu()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
+    elif t.dtype == torch.float8_e4m3fn:  # numpy has no float8: its bytes
+        t = t.view(torch.uint8)
     return memoryview(t.numpy()).cast("B")
 
 

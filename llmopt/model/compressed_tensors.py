@@ -4,7 +4,10 @@ llm-compressor (and llmopt's `--format compressed-tensors`) write `config_groups
 (a module name, a `re:` pattern matched with re.match, or a class name such as "Linear") and `weights`
 (QuantizationArgs). A module takes the group of its most specific target, as compressed-tensors orders
 them: exact name, then pattern, then class. This reader takes integer weight-only schemes stored
-`pack-quantized` (W4A16, W8A16, asymmetric or not, group or channel); anything else is one line.
+`pack-quantized` (W4A16, W8A16, asymmetric or not, group or channel) and FP8 weights stored
+`float-quantized` per channel, with activations unquantized or quantized per token at run
+time (FP8_DYNAMIC; llmopt's runtime keeps activations in its own dtype, so it runs such a model as W8A16);
+anything else is one line.
 Used by `CompressedTensorsDirSource` (model/quantized_dir.py).
 """
 
@@ -17,7 +20,9 @@ from pathlib import Path
 from llmopt.errors import InputError
 
 PACKED = "pack-quantized"
-STRATEGIES = ("group", "channel")
+FLOAT = "float-quantized"
+KINDS = {PACKED: "int", FLOAT: "float"}  # what each storage format holds
+STRATEGIES = {"int": ("group", "channel"), "float": ("channel",)}
 BITS = (2, 4, 8)  # whole values per int32 word: compressed-tensors' packing is then ours (model/packing.py)
 ACTORDERS = (None, "weight", "static", "group", "dynamic")  # group/dynamic: permuted groups, weight_g_idx
 
@@ -27,6 +32,7 @@ class WeightScheme:
     bits: int
     group_size: int  # > 0, or -1 per output channel
     sym: bool
+    kind: str = "int"  # "float": FP8 e4m3 weights, `weight` and `weight_scale`
 
 
 @dataclass(frozen=True)
@@ -42,13 +48,17 @@ def _scheme(path: Path, name: str, group: object, top_format: object) -> WeightS
     if not isinstance(group, dict):
         raise InputError(f"{where} must be an object")
     fmt = group.get("format") or top_format
-    if fmt != PACKED:
-        raise InputError(f"{where}: format {fmt!r} is not supported (llmopt reads {PACKED!r})")
+    if fmt not in KINDS:
+        raise InputError(f"{where}: format {fmt!r} is not supported (llmopt reads {PACKED!r} and {FLOAT!r})")
     w = group.get("weights")
     if not isinstance(w, dict):
-        raise InputError(f"{where}: no weights scheme (llmopt reads integer weight-only schemes)")
-    if group.get("input_activations") or group.get("output_activations"):
-        raise InputError(f"{where}: quantized activations are not supported (llmopt reads weight-only schemes, W4A16/W8A16)")
+        raise InputError(f"{where}: no weights scheme (llmopt reads weight schemes)")
+    acts = group.get("input_activations")
+    per_token_fp8 = isinstance(acts, dict) and (acts.get("type"), acts.get("num_bits"), acts.get("strategy"),
+                                                bool(acts.get("dynamic"))) == ("float", 8, "token", True)  # fmt: skip
+    if group.get("output_activations") or acts and not (fmt == FLOAT and per_token_fp8):
+        raise InputError(f"{where}: quantized activations are not supported (llmopt reads weight-only schemes and "
+                         f"FP8 with dynamic per-token activations)")  # fmt: skip
     kind, strategy, actorder = w.get("type", "int"), w.get("strategy"), w.get("actorder")
     try:
         bits = int(w.get("num_bits", 8))
@@ -57,13 +67,16 @@ def _scheme(path: Path, name: str, group: object, top_format: object) -> WeightS
         raise InputError(f"{where}: bad num_bits or group_size") from None
     if strategy is None:
         strategy = "group" if group_size > 0 else "channel"
-    if kind != "int" or bits not in BITS or strategy not in STRATEGIES or w.get("dynamic") or actorder not in ACTORDERS:
+    held = BITS if kind == "int" else (8,)
+    if kind != KINDS[fmt] or bits not in held or strategy not in STRATEGIES[kind] or w.get("dynamic") or \
+            actorder not in ACTORDERS or kind == "float" and not w.get("symmetric", True):  # fmt: skip
         raise InputError(f"{where}: weight scheme {kind} {bits}-bit {strategy} (dynamic {w.get('dynamic')}, actorder "
-                         f"{actorder}) is not supported (llmopt reads int {'/'.join(map(str, BITS))}-bit, group or "
-                         f"channel, static)")  # fmt: skip
+                         f"{actorder}) in {fmt} is not supported (llmopt reads int {'/'.join(map(str, BITS))}-bit, group "
+                         f"or channel, and symmetric float 8-bit per channel; static)")  # fmt: skip
     if strategy == "group" and group_size <= 0:
         raise InputError(f"{where}: strategy group needs a positive group_size, got {group_size}")
-    return WeightScheme(bits, group_size if strategy == "group" else -1, bool(w.get("symmetric", True)))
+    group_size = group_size if strategy == "group" else -1
+    return WeightScheme(bits, group_size, bool(w.get("symmetric", True)), kind)
 
 
 def groups(path: Path, q: dict) -> list[Group]:

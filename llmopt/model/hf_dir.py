@@ -53,6 +53,7 @@ def open_safetensors(file: Path) -> tuple[Any, dict[str, tuple[tuple[int, ...], 
 
 class HFDirSource(ModelSource):
     kind = "hf"
+    float_dtypes: tuple[str, ...] = _FLOATS  # what a `.weight` may be stored as
 
     def __init__(self, path: Path):
         self.path = path
@@ -90,7 +91,7 @@ class HFDirSource(ModelSource):
         if not self.tensors:
             raise InputError(f"{path}: the safetensors files hold no tensors")
         for name, info in self.tensors.items():
-            if name.endswith((".weight", ".bias")) and info.dtype not in _FLOATS:
+            if name.endswith((".weight", ".bias")) and info.dtype not in self.float_dtypes:
                 raise InputError(f"{path}: {name} is stored as {info.dtype}; weights are floating point")
         check_tensors(self.arch, {n: t.shape for n, t in self.tensors.items()}, str(path))
         self.split_fused()

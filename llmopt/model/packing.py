@@ -127,3 +127,22 @@ def unpack_awq(packed: torch.Tensor, cols: int | None = None) -> torch.Tensor:
     values[:, :, list(AWQ_ORDER)] = nibbles  # nibble i is value AWQ_ORDER[i]
     values = values.reshape(rows, words * 8)
     return (values if cols is None else values[:, :cols]).to(torch.int32)
+
+
+# FP8 E4M3 values as QuantizedTensor codes (quant/grids/fp8.py): every e4m3 value times 2^9 is an integer
+# of at most 18 bits, so code = v·2^9 + 2^18 (19 bits, symmetric) with the scale divided by 2^9 keeps
+# `dequantize` exact. Shared by the grid and the compressed-tensors reader, which turns float8 back into codes.
+FP8_GRID = "fp8_e4m3"  # QuantizedTensor.grid of such codes
+FP8_STEP = 512
+FP8_CODE_BITS = 19
+FP8_OFFSET = 1 << (FP8_CODE_BITS - 1)
+
+
+def fp8_codes(values: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn values -> codes (int32)."""
+    return (values.to(torch.float32) * FP8_STEP).to(torch.int32) + FP8_OFFSET
+
+
+def fp8_values(codes: torch.Tensor) -> torch.Tensor:
+    """Codes -> the float8_e4m3fn values they stand for."""
+    return ((codes.to(torch.int64) - FP8_OFFSET).to(torch.float32) / FP8_STEP).to(torch.float8_e4m3fn)

@@ -23,7 +23,8 @@ import torch
 from llmopt.errors import InputError
 from llmopt.model import compressed_tensors as ct
 from llmopt.model.hf_dir import HFDirSource
-from llmopt.model.packing import PACK_BITS, unpack_awq, unpack_qweight, unpack_qzeros, unpack_rows
+from llmopt.model.packing import (FP8_CODE_BITS, FP8_GRID, FP8_STEP, PACK_BITS, fp8_codes, unpack_awq, unpack_qweight,
+                                  unpack_qzeros, unpack_rows)
 from llmopt.model.validate import check_tensors
 from llmopt.model.source import ModelSource, TensorInfo, torch_dtype
 from llmopt.quantized_tensor import QuantizedTensor
@@ -53,22 +54,21 @@ class PackedDirSource(HFDirSource):
         logical: dict[str, TensorInfo] = {}
         for name, info in self.stored.items():
             module, _, part = name.rpartition(".")
-            if part not in self.parts:
-                logical[name] = info
-                continue
-            if part == self.parts[0]:
-                for p in self.parts:
+            if self.marks_module(part, info):
+                parts = self.module_parts(module)
+                for p in parts:
                     stored = self.stored.get(f"{module}.{p}")
                     if stored is None and p not in self.optional:
-                        raise InputError(f"{path}: {module}.{p} is missing ({self.name} stores {', '.join(self.parts)})")
+                        raise InputError(f"{path}: {module}.{p} is missing ({self.name} stores {', '.join(parts)})")
                     if stored is not None and len(stored.shape) != (1 if p in self.vectors else 2):
                         raise InputError(f"{path}: {module}.{p} has shape {list(stored.shape)}, expected "
                                          f"{'1' if p in self.vectors else '2'} dimensions")  # fmt: skip
                 out_f, in_f = self.linear_shape(module, info.shape)
                 self.modules[module] = (out_f, in_f)
-                nbytes = sum(self.stored[f"{module}.{p}"].nbytes for p in self.parts if f"{module}.{p}" in self.stored)
-                kind = f"{self.name}{self.module_config(module)[0]}"
-                logical[f"{module}.weight"] = TensorInfo(f"{module}.weight", name, (out_f, in_f), kind, nbytes)
+                nbytes = sum(self.stored[f"{module}.{p}"].nbytes for p in parts if f"{module}.{p}" in self.stored)
+                logical[f"{module}.weight"] = TensorInfo(f"{module}.weight", name, (out_f, in_f), self.module_kind(module), nbytes)
+            elif part not in self.parts:
+                logical[name] = info
         self.tensors = logical
         check_tensors(self.arch, {n: t.shape for n, t in logical.items()}, f"{path} ({self.name} {self.bits}-bit)")
         self.split_fused()  # a fused packed linear (Phi-3's qkv_proj) serves its parts by rows
@@ -79,6 +79,18 @@ class PackedDirSource(HFDirSource):
     @property
     def name(self) -> str:
         return self.label or self.method.upper()
+
+    def marks_module(self, part: str, info: TensorInfo) -> bool:
+        """Whether stored tensor `<module>.<part>` marks a quantized module (its first part)."""
+        return part == self.parts[0]
+
+    def module_parts(self, module: str) -> tuple[str, ...]:
+        """The stored tensors of one quantized module."""
+        return self.parts
+
+    def module_kind(self, module: str) -> str:
+        """Its storage type, as inspect shows it ("GPTQ4")."""
+        return f"{self.name}{self.module_config(module)[0]}"
 
     def check_config(self, q: dict) -> None:
         """Refuse what this reader cannot read (one line)."""
@@ -217,10 +229,24 @@ class CompressedTensorsDirSource(PackedDirSource):
 
     kind = "hf-compressed-tensors"
     method = "compressed-tensors"
-    label = "CT-INT"
+    label = "compressed-tensors"
     parts = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
     optional = ("weight_zero_point", "weight_g_idx")
     vectors = ("weight_g_idx", "weight_shape")
+    float_dtypes = (*HFDirSource.float_dtypes, "F8_E4M3")  # float-quantized weights, read with their scales
+
+    def marks_module(self, part: str, info: TensorInfo) -> bool:
+        return part == "weight_packed" or part == "weight" and info.dtype == "F8_E4M3"
+
+    def module_parts(self, module: str) -> tuple[str, ...]:
+        return ("weight", "weight_scale") if self._fp8(module) else self.parts
+
+    def module_kind(self, module: str) -> str:
+        return "CT-FP8" if self._fp8(module) else f"CT-INT{self.module_config(module)[0]}"
+
+    def _fp8(self, module: str) -> bool:
+        info = self.stored.get(f"{module}.weight")
+        return info is not None and info.dtype == "F8_E4M3"
 
     def check_config(self, q: dict) -> None:
         self.groups = ct.groups(self.path, q)
@@ -241,12 +267,22 @@ class CompressedTensorsDirSource(PackedDirSource):
         return s.bits, s.group_size
 
     def linear_shape(self, module: str, packed_shape: tuple[int, ...]) -> tuple[int, int]:
-        """(out, in) from `weight_shape`; every part's shape must agree with it."""
+        """(out, in) from `weight_shape` (FP8: the weight's own); every part's shape must agree with it."""
+        s = self.scheme(module)
+        if s.kind != ("float" if self._fp8(module) else "int"):
+            raise InputError(f"{self.path}: {module} is stored {'float8' if self._fp8(module) else 'packed'} but its "
+                             f"config group's weights are {s.kind}")  # fmt: skip
+        if s.kind == "float":
+            out_f, in_f = packed_shape
+            scale = tuple(self.stored[f"{module}.weight_scale"].shape)
+            if scale != (out_f, 1):
+                raise InputError(f"{self.path}: {module}.weight_scale has shape {list(scale)}; a per-channel scale of "
+                                 f"weight [{out_f}, {in_f}] is [{out_f}, 1]")  # fmt: skip
+            return out_f, in_f
         shape = self.raw(module, "weight_shape")
         if shape.numel() != 2:
             raise InputError(f"{self.path}: {module}.weight_shape has {shape.numel()} values, expected 2 (out, in)")
         out_f, in_f = (int(v) for v in shape)
-        s = self.scheme(module)
         groups = -(-in_f // s.group_size) if s.group_size > 0 else 1
         expected = {"weight_packed": (out_f, -(-in_f * s.bits // 32)), "weight_scale": (out_f, groups),
                     "weight_zero_point": (-(-out_f * s.bits // 32), groups), "weight_g_idx": (in_f,)}  # fmt: skip
@@ -262,6 +298,10 @@ class CompressedTensorsDirSource(PackedDirSource):
     def stored_quantized(self, module: str) -> QuantizedTensor:
         out_f, in_f = self.modules[module]
         s = self.scheme(module)
+        if s.kind == "float":  # float8 values as codes, exactly (model/packing.py)
+            scales = self.raw(module, "weight_scale").to(torch.float32) / FP8_STEP
+            return QuantizedTensor(codes=fp8_codes(self.raw(module, "weight")), scales=scales, bits=FP8_CODE_BITS,
+                                   group_size=in_f, grid=FP8_GRID)  # fmt: skip
         codes = unpack_rows(self.raw(module, "weight_packed").t().contiguous(), s.bits, in_f).t().contiguous()
         scales = self.raw(module, "weight_scale")
         if s.sym:

@@ -14,6 +14,7 @@ from llmopt.options import QuantizeOptions
 from llmopt.model.source import ModelSource
 from llmopt.quant.awq import AWQConfig
 from llmopt.quant.gptq import GPTQConfig
+from llmopt.quant.grids.fp8 import fp8_grid
 from llmopt.quant.pipeline import QuantizeSpec, head_weight_name
 from llmopt.quant.rtn import RTNConfig
 
@@ -39,6 +40,8 @@ def build_spec(o: QuantizeOptions, method: str, sym: bool, *, act_dtype: torch.d
     if not o.clip and not method.startswith("awq"):
         raise OptionError("turning off <clip> (AWQ's clipping search) applies to <method> awq and awq+gptq")
     common = dict(quantize_head=o.quantize_head, batch_size=o.batch_size, act_dtype=act_dtype)
+    if o.scheme is not None:
+        return _scheme_spec(o, method, common)
     if not gptq_rounding:
         if o.act_order or o.static_groups or o.refit_scales or o.gptaq or group_aware:
             raise OptionError(f"{GPTQ_ONLY} apply to <method> gptq and awq+gptq")
@@ -57,6 +60,15 @@ def build_spec(o: QuantizeOptions, method: str, sym: bool, *, act_dtype: torch.d
     else:
         config = AWQConfig(o.bits, o.group_size, sym, o.mse, zero_min, clip=o.clip, gptq=gptq)
     return QuantizeSpec(config, **common)
+
+
+def _scheme_spec(o: QuantizeOptions, method: str, common: dict) -> QuantizeSpec:
+    """`scheme` fp8-dynamic: every linear rounded to nearest onto the FP8 grid (one scale per row)."""
+    if method != "rtn":
+        raise OptionError(f"<scheme> {o.scheme} rounds to nearest: <method> {method} does not apply")
+    if o.target_bpw is not None or o.mse:
+        raise OptionError(f"<scheme> {o.scheme} is one grid for every linear: <target_bpw> and <mse> do not apply")
+    return QuantizeSpec(RTNConfig(8, -1, True), grids=fp8_grid, **common)
 
 
 def check_shapes(source: ModelSource, spec: QuantizeSpec) -> None:

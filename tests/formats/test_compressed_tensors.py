@@ -169,3 +169,47 @@ def test_target_bpw_chooses_among_the_bits_the_format_holds(tiny_models, tmp_pat
             stored += module_nbytes(out_f, in_f, *q.module_config(module), layout("compressed-tensors"), result.spec)
             weights += out_f * in_f
     assert 8 * stored / weights <= 6.0
+
+
+def test_fp8_dynamic_is_float_quantized_and_the_package_decompresses_it_exactly(tiny_models, tmp_path, llmopt_here):
+    """`--scheme fp8-dynamic`: float8 e4m3 `weight` and a float32 scale per row, activations per token at run
+    time in the config; the package's FloatQuantizationCompressor gives llmopt's weights exactly (float32
+    scales, e4m3 values exact in float32), and transformers holds the same weights."""
+    from compressed_tensors.compressors.base import BaseCompressor
+
+    out = tmp_path / "fp8"
+    result = llmopt_here("quantize", tiny_models("llama"), "--scheme", "fp8-dynamic", "-o", out, "--json")
+    assert result.returncode == 0, result.stderr
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    (group,) = qc["config_groups"].values()
+    assert (qc["format"], group["format"], group["weights"]["type"], group["weights"]["strategy"]) == \
+        ("float-quantized", "float-quantized", "float", "channel")  # fmt: skip
+    acts = group["input_activations"]
+    assert (acts["type"], acts["num_bits"], acts["strategy"], acts["dynamic"]) == ("float", 8, "token", True)
+    config = QuantizationConfig.model_validate(qc)
+    state = load_file(out / "model.safetensors")
+    down = "model.layers.0.mlp.down_proj"
+    assert state[f"{down}.weight"].dtype == torch.float8_e4m3fn and state[f"{down}.weight"].shape == (64, 128)
+    assert state[f"{down}.weight_scale"].dtype == torch.float32 and state[f"{down}.weight_scale"].shape == (64, 1)
+    compressor = BaseCompressor.get_value_from_registry("float-quantized")
+    modules = sorted({k.rpartition(".")[0] for k in state if k.endswith(".weight_scale")})
+    assert len(modules) == 14
+    with open_model(out) as q, open_model(tiny_models("llama")) as src:
+        assert q.tensors[f"{down}.weight"].dtype == "CT-FP8"
+        for module in modules:
+            (scheme,) = [g for g in config.config_groups.values() if any(match_name(module, t) for t in g.targets)]
+            local = {k.rpartition(".")[2]: v for k, v in state.items() if k.rpartition(".")[0] == module}
+            ours = q.load(f"{module}.weight")
+            assert torch.equal(compressor.decompress(local, scheme)["weight"], ours), module
+            w = src.load(f"{module}.weight")
+            assert (ours - w).abs().max() <= w.abs().amax() / 16  # e4m3: 3 mantissa bits
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--format", "gptq"], "--scheme fp8-dynamic is written as --format compressed-tensors or dense, not gptq"),
+    (["--method", "gptq"], "--scheme fp8-dynamic rounds to nearest: --method gptq does not apply"),
+])  # fmt: skip
+def test_fp8_scheme_bad_input_is_one_line(tiny_models, tmp_path, llmopt_here, args, expect):
+    result = llmopt_here("quantize", tiny_models("llama"), "--scheme", "fp8-dynamic", *args, "-o", tmp_path / "o")
+    assert result.returncode == 2 and expect in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "o").exists()

@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 from compressed_tensors.compressors import ModelCompressor
+from compressed_tensors.compressors.base import BaseCompressor
 from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config
 from safetensors.torch import load_file, save_file
@@ -26,7 +27,7 @@ from llmopt.runtime.weights import build_decoder
 IDS = torch.tensor([[1, 5, 9, 33, 70, 100, 7, 8, 250, 3, 41, 17]])
 
 
-def _fill_minmax(model: torch.nn.Module, bits: int, group_size: int, sym: bool) -> None:
+def _fill_minmax(model: torch.nn.Module, bits: int, group_size: int, sym: bool, fp8: bool = False) -> None:
     """Each quantized module's scale and zero point from its weights' range, as a min-max observer would."""
     for module in model.modules():
         if not hasattr(module, "weight_scale"):
@@ -34,7 +35,9 @@ def _fill_minmax(model: torch.nn.Module, bits: int, group_size: int, sym: bool) 
         w = module.weight.data
         g = w.view(w.shape[0], -1, group_size) if group_size > 0 else w.unsqueeze(1)
         half = 1 << (bits - 1)
-        if sym:
+        if fp8:
+            scale, zp = g.abs().amax(-1) / torch.finfo(torch.float8_e4m3fn).max, torch.zeros(g.shape[:2])
+        elif sym:
             scale, zp = g.abs().amax(-1) / (half - 1), torch.zeros(g.shape[:2])
         else:
             lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
@@ -45,17 +48,22 @@ def _fill_minmax(model: torch.nn.Module, bits: int, group_size: int, sym: bool) 
             module.weight_zero_point.data = zp.reshape(module.weight_zero_point.shape).to(module.weight_zero_point.dtype)
 
 
-def package_checkpoint(source: Path, out: Path, bits: int, group_size: int, sym: bool) -> Path:
+def package_checkpoint(source: Path, out: Path, bits: int, group_size: int, sym: bool, fp8: bool = False) -> Path:
     """A tiny Llama quantized and saved by the compressed-tensors package: its config applied to the model, the
-    min-max parameters filled in, its ModelCompressor compressing and writing the config, as llm-compressor does."""
+    min-max parameters filled in, its ModelCompressor compressing and writing the config, as llm-compressor does
+    (`fp8`: the FP8_DYNAMIC preset's scheme, float-quantized)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    weights = {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": "group" if group_size > 0 else "channel",
-               "group_size": group_size if group_size > 0 else None}  # fmt: skip
-    config = QuantizationConfig(config_groups={"group_0": {"targets": ["Linear"], "weights": weights}}, ignore=["lm_head"],
-                                quantization_status=QuantizationStatus.FROZEN, format="pack-quantized")  # fmt: skip
+    weights = {"num_bits": bits, "type": "float" if fp8 else "int", "symmetric": sym,
+               "strategy": "group" if group_size > 0 else "channel", "group_size": group_size if group_size > 0 else None}
+    group = {"targets": ["Linear"], "weights": weights}
+    if fp8:
+        group["input_activations"] = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+    fmt = "float-quantized" if fp8 else "pack-quantized"
+    config = QuantizationConfig(config_groups={"group_0": group}, ignore=["lm_head"],
+                                quantization_status=QuantizationStatus.FROZEN, format=fmt)  # fmt: skip
     apply_quantization_config(model, config)
-    _fill_minmax(model, bits, group_size, sym)
-    compressor = ModelCompressor.from_pretrained_model(model, "pack-quantized")
+    _fill_minmax(model, bits, group_size, sym, fp8)
+    compressor = ModelCompressor.from_pretrained_model(model, fmt)
     compressor.compress_model(model)
     model.save_pretrained(out)
     compressor.update_config(out)
@@ -67,7 +75,7 @@ def package_checkpoint(source: Path, out: Path, bits: int, group_size: int, sym:
 @pytest.fixture(scope="module")
 def package_dirs(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("ct-package")
-    settings = {"w4g32": (4, 32, True), "w8ch": (8, -1, True), "w4g32-asym": (4, 32, False)}
+    settings = {"w4g32": (4, 32, True), "w8ch": (8, -1, True), "w4g32-asym": (4, 32, False), "fp8": (8, -1, True, True)}
     return {name: package_checkpoint(tiny_models("llama"), root / name, *s) for name, s in settings.items()}
 
 
@@ -87,7 +95,7 @@ def test_package_written_checkpoint_gives_transformers_logits(package_dirs, name
     assert (got - expected).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("name", ["w4g32", "w8ch", "w4g32-asym"])
+@pytest.mark.parametrize("name", ["w4g32", "w8ch", "w4g32-asym", "fp8"])
 def test_package_written_weights_are_the_packages_decompressed_ones(package_dirs, name):
     """The package's own decompressor and llmopt's reader give the same weights (the scales are float32 here, so
     exactly). Asymmetric files are checked this way only: transformers 5.25 with compressed-tensors 0.20.1 does
@@ -96,13 +104,31 @@ def test_package_written_weights_are_the_packages_decompressed_ones(package_dirs
     config = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
     (scheme,) = config.config_groups.values()
     state = load_file(out / "model.safetensors")
-    modules = sorted({k.rpartition(".")[0] for k in state if k.endswith(".weight_packed")})
+    modules = sorted({k.rpartition(".")[0] for k in state if k.endswith(".weight_scale")})
     assert len(modules) == 14
+    compressor = BaseCompressor.get_value_from_registry(config.format)
+    assert (compressor is PackedQuantizationCompressor) == (name != "fp8")
     with open_model(out) as src:
         for module in modules:
             local = {k.rpartition(".")[2]: v for k, v in state.items() if k.rpartition(".")[0] == module}
-            theirs = PackedQuantizationCompressor.decompress(local, scheme)["weight"]
+            theirs = compressor.decompress(local, scheme)["weight"]
             assert torch.equal(src.load(f"{module}.weight"), theirs), module
+
+
+def test_package_written_fp8_gives_transformers_logits_without_activation_quantization(package_dirs):
+    """FP8_DYNAMIC quantizes activations per token at run time; llmopt's runtime keeps them in its dtype (W8A16).
+    With transformers' activation quantization turned off, the logits agree within 1e-4: the weights are the same."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(package_dirs["fp8"], dtype=torch.float32)
+    for module in ref.modules():
+        if getattr(module, "quantization_scheme", None) is not None:
+            module.quantization_scheme.input_activations = None
+    with torch.no_grad():
+        expected = ref(IDS).logits
+    with open_model(package_dirs["fp8"]) as src:
+        assert src.tensors["model.layers.0.mlp.up_proj.weight"].dtype == "CT-FP8"
+        model = build_decoder(src, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        assert (model(IDS) - expected).abs().max() < 1e-4
 
 
 def _edit(src: Path, out: Path, config=None, tensors=None) -> Path:

@@ -113,8 +113,9 @@ def model_card(m: dict[str, Any], name: str, recipe_entry: str) -> str:
         front.append("library_name: transformers")
     front.append("---")
     packed = fmt in CHECKPOINT_FORMATS and fmt != "dense"
-    what = e.get("type") or (f"{e['options'].get('bits')}-bit {fmt if fmt == 'compressed-tensors' else fmt.upper()}"
-                             if packed else fmt)  # fmt: skip
+    opts = e.get("options") or {}
+    width = opts.get("scheme") or f"{opts.get('bits')}-bit"  # --scheme fp8-dynamic sets no bits
+    what = e.get("type") or (f"{width} {fmt if fmt == 'compressed-tensors' else fmt.upper()}" if packed else fmt)
     body = [f"# {m['model_name']} {what}", "",
             f"Made with llmopt {m['versions']['llmopt']} from `{m['source']['model']}` (sha256 `{m['source']['sha256'][:16]}`).", "",
             "| file | bytes | bits/weight | sha256 |", "|---|---:|---:|---|"]  # fmt: skip

@@ -17,3 +17,13 @@ def test_recipe_output_in_compressed_tensors(llmopt_here, tiny_models, tmp_path)
     assert qc["quant_method"] == "compressed-tensors" and group["weights"]["strategy"] == "channel"
     card = (out / "README.md").read_text()
     assert "- compressed-tensors\nlibrary_name: transformers\n" in card and "8-bit compressed-tensors" in card
+
+
+def test_recipe_output_fp8_dynamic(llmopt_here, tiny_models, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {tiny_models('llama')}\noutputs:\n  fp8: {{format: compressed-tensors, scheme: fp8-dynamic}}\n")
+    result = llmopt_here("run", recipe, "--json")
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "out" / "fp8"
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "float-quantized"
+    assert "# model fp8-dynamic compressed-tensors" in (out / "README.md").read_text()

@@ -83,3 +83,48 @@ def test_gptq_in_compressed_tensors_has_the_gptq_checkpoints_codes(smol_ct):
             a, b = gptq.quantized(module), ct.quantized(module)
             assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales), module
             assert torch.equal(a.zeros, b.zeros) and torch.equal(a.group_index(), b.group_index()), module
+
+
+@pytest.fixture(scope="module")
+def smol_fp8(smollm2_hf, tmp_path_factory):
+    """SmolLM2 as `--scheme fp8-dynamic` (round to nearest: no calibration, seconds)."""
+    from llmopt.api.quantize import quantize
+
+    out = tmp_path_factory.mktemp("smol-fp8") / "fp8"
+    quantize(str(smollm2_hf), out, scheme="fp8-dynamic")
+    return out
+
+
+def test_fp8_package_decompresses_llmopts_weights_and_transformers_decodes_its_tokens(smol_fp8):
+    """Every linear's float8 weight times its float32 scale, as the package's FloatQuantizationCompressor computes
+    it, is llmopt's weight exactly; transformers, its per-token activation quantization turned off (llmopt runs
+    FP8 as W8A16), greedy-decodes llmopt's 32 tokens."""
+    import json
+
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+
+    from llmopt.api.generate import generate
+    from llmopt.runtime.weights import load_model
+
+    (scheme,) = QuantizationConfig.model_validate(
+        json.loads((smol_fp8 / "config.json").read_text())["quantization_config"]).config_groups.values()  # fmt: skip
+    state = load_file(smol_fp8 / "model.safetensors")
+    modules = sorted({k.rpartition(".")[0] for k in state if k.endswith(".weight_scale")})
+    assert len(modules) == 30 * 7
+    compressor = BaseCompressor.get_value_from_registry("float-quantized")
+    with open_model(smol_fp8) as src:
+        for module in modules:
+            local = {k.rpartition(".")[2]: v for k, v in state.items() if k.rpartition(".")[0] == module}
+            assert torch.equal(compressor.decompress(local, scheme)["weight"], src.load(f"{module}.weight")), module
+    loaded = load_model(str(smol_fp8), "float32", "cpu")
+    ours = generate(loaded, PROMPT, max_tokens=32, ignore_eos=True, temperature=0).token_ids
+    model = transformers.AutoModelForCausalLM.from_pretrained(smol_fp8, dtype=torch.float32)
+    for m in model.modules():
+        if getattr(m, "quantization_scheme", None) is not None:
+            m.quantization_scheme.input_activations = None
+    ids = torch.tensor([loaded.tokenizer.encode(PROMPT)])
+    with torch.no_grad():
+        theirs = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert len(ours) == 32 and ours == theirs

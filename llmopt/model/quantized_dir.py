@@ -225,7 +225,8 @@ class CompressedTensorsDirSource(PackedDirSource):
     int32 [out, in·b/32] (signed q + 2^(b−1), packed along the inputs), `weight_scale` [out, groups],
     `weight_zero_point` [out·b/32, groups] (asymmetric; packed along the outputs), `weight_g_idx` (old
     checkpoints with actorder "group") and `weight_shape` [2]. W = (q − zp)·s = (code − zero)·s, so the
-    stored unsigned values are our codes and zeros; a symmetric module gets zero 2^(b−1) on every group."""
+    stored unsigned values are our codes and zeros; a symmetric module gets zero 2^(b−1) on every group.
+    `float-quantized` FP8: `weight` float8_e4m3fn [out, in] and `weight_scale` [out, 1], W = weight·scale."""
 
     kind = "hf-compressed-tensors"
     method = "compressed-tensors"
@@ -251,7 +252,6 @@ class CompressedTensorsDirSource(PackedDirSource):
     def check_config(self, q: dict) -> None:
         self.groups = ct.groups(self.path, q)
         self.schemes: dict[str, ct.WeightScheme] = {}
-        self.shapes: dict[str, tuple[int, int]] = {}
 
     def scheme(self, module: str) -> ct.WeightScheme:
         if module not in self.schemes:

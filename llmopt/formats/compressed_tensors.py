@@ -28,15 +28,13 @@ from typing import Any
 import torch
 
 from llmopt.errors import OptionError
-from llmopt.model.packing import pack_rows, packed_length
+from llmopt.model.compressed_tensors import FLOAT, PACKED, int_part_shapes
+from llmopt.model.packing import pack_rows
 from llmopt.quant.grids import fp8
-from llmopt.quant.grids.integer import group_count
 from llmopt.quant.pipeline import HEAD, QuantizeSpec
 from llmopt.quantized_tensor import QuantizedTensor
 
 QUANT_METHOD = "compressed-tensors"
-PACKED = "pack-quantized"
-FLOAT = "float-quantized"
 BITS = (4, 8)  # what vLLM's WNA16 kernels (Marlin, Machete) take from this format
 FORMAT_VERSION = "0.20.1"  # the compressed-tensors release this layout was checked against
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -117,12 +115,12 @@ class CompressedTensorsLayout:
             raise OptionError(f"<group_size> {group_size} does not divide a linear's {in_f} inputs: compressed-tensors "
                               f"readers (the package, transformers, vLLM) take whole groups only; use a divisor of "
                               f"{in_f} or -1")  # fmt: skip
-        groups = group_count(in_f, group_size) if group_size > 0 else 1
-        parts = [("weight_packed", (out_f, packed_length(in_f, bits)), torch.int32),
-                 ("weight_scale", (out_f, groups), torch.float16)]  # fmt: skip
-        if spec is not None and not spec.method.sym:
-            parts.append(("weight_zero_point", (packed_length(out_f, bits), groups), torch.int32))
-        return parts + [("weight_shape", (2,), torch.int64)]
+        shapes = int_part_shapes(out_f, in_f, bits, group_size)
+        dtypes = {"weight_packed": torch.int32, "weight_scale": torch.float16, "weight_zero_point": torch.int32,
+                  "weight_shape": torch.int64}  # fmt: skip
+        if spec is None or spec.method.sym:  # zero points only where the grid is asymmetric
+            del dtypes["weight_zero_point"]
+        return [(part, shapes[part], dtype) for part, dtype in dtypes.items()]
 
     def tensors(self, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
         """One quantized linear as pack-quantized tensors; per-tensor parameters repeat on every row."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmopt.errors import InputError
+from llmopt.model.packing import packed_length
 
 PACKED = "pack-quantized"
 FLOAT = "float-quantized"
@@ -25,6 +26,14 @@ KINDS = {PACKED: "int", FLOAT: "float"}  # what each storage format holds
 STRATEGIES = {"int": ("group", "channel"), "float": ("channel",)}
 BITS = (2, 4, 8)  # whole values per int32 word: compressed-tensors' packing is then ours (model/packing.py)
 ACTORDERS = (None, "weight", "static", "group", "dynamic")  # group/dynamic: permuted groups, weight_g_idx
+
+
+def int_part_shapes(out_f: int, in_f: int, bits: int, group_size: int) -> dict[str, tuple[int, ...]]:
+    """The stored shape of every part of a pack-quantized linear [out_f, in_f] (group_size <= 0: one group per
+    row): what llmopt's writer plans and what its reader checks a checkpoint against."""
+    groups = -(-in_f // group_size) if group_size > 0 else 1
+    return {"weight_packed": (out_f, packed_length(in_f, bits)), "weight_scale": (out_f, groups),
+            "weight_zero_point": (packed_length(out_f, bits), groups), "weight_g_idx": (in_f,), "weight_shape": (2,)}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -283,9 +283,7 @@ class CompressedTensorsDirSource(PackedDirSource):
         if shape.numel() != 2:
             raise InputError(f"{self.path}: {module}.weight_shape has {shape.numel()} values, expected 2 (out, in)")
         out_f, in_f = (int(v) for v in shape)
-        groups = -(-in_f // s.group_size) if s.group_size > 0 else 1
-        expected = {"weight_packed": (out_f, -(-in_f * s.bits // 32)), "weight_scale": (out_f, groups),
-                    "weight_zero_point": (-(-out_f * s.bits // 32), groups), "weight_g_idx": (in_f,)}  # fmt: skip
+        expected = ct.int_part_shapes(out_f, in_f, s.bits, s.group_size)
         if not s.sym and f"{module}.weight_zero_point" not in self.stored:
             raise InputError(f"{self.path}: {module}.weight_zero_point is missing (its scheme is asymmetric)")
         for part, want in expected.items():

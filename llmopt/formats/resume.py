@@ -142,7 +142,16 @@ def _next_layer(folder: Path) -> int:
     if meta.get("key") != _read_key(folder):
         return 0
     done = int(meta.get("next", 0))
-    return done if all((folder / _block_file(i)).is_file() for i in range(done)) else 0
+    return done if all(_readable(folder / _block_file(i)) for i in range(done)) else 0
+
+
+def _readable(path: Path) -> bool:
+    """Whether a block file is there and whole (safetensors checks its header against the file's size)."""
+    try:
+        with safe_open(str(path), "pt"):
+            return True
+    except Exception:  # missing, truncated or not safetensors: that progress cannot be replayed
+        return False
 
 
 def _save_block(result: BlockResult, path: Path) -> None:

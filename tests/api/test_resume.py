@@ -80,6 +80,23 @@ def test_without_resume_or_with_other_options_a_run_starts_over(work, tiny_model
     assert not (work / ".again.resume").exists()
 
 
+def test_a_damaged_progress_folder_starts_over(work, tiny_models):
+    """A block file truncated or deleted after the kill (a full disk, a cleanup) is no progress: the run
+    starts over with one finished output, never a traceback."""
+    model = tiny_models("llama")
+    for damage in ("truncate", "delete"):
+        out = f"out-{damage}"
+        assert _llmopt(work, *_command("gptq", model, out), fault=("--kill-after-blocks", "1")).returncode == -9
+        block = work / f".{out}.resume" / "block-00000.safetensors"
+        if damage == "truncate":
+            block.write_bytes(block.read_bytes()[:100])
+        else:
+            block.unlink()
+        resumed = _llmopt(work, *_command("gptq", model, out), "--resume")
+        assert resumed.returncode == 0, resumed.stderr
+        assert json.loads(resumed.stdout)["resumed_blocks"] == 0 and (work / out).is_dir()
+
+
 def test_a_block_result_survives_the_disk_field_for_field(tmp_path):
     """Every QuantizedTensor field (zeros, mins, g_idx, aux) and report comes back as it went, tensors that
     share memory (one g_idx for q, k and v under act-order; a view) included."""

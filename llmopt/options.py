@@ -244,8 +244,10 @@ class QuantizeOptions(CalibrationOptions, RoundingOptions, AutomixOptions, Shard
                              recipe="format", show_default=False)  # fmt: skip
     quantize_head: bool = option(False, "Quantize the LM head too (embeddings and norms never are).")
     scheme: str | None = option(None, "fp8-dynamic: float8 e4m3 weights with a float32 scale per output channel, "
-                                "activations quantized per token at run time (vLLM's FP8 W8A8); rounds to nearest, "
-                                "written as compressed-tensors (instead of --bits/--group-size/--sym).",
+                                "activations quantized per token at run time (vLLM's FP8 W8A8); nvfp4a16: FP4 (e2m1) "
+                                "weights in groups of 16 with float8 scales under a per-tensor scale, activations "
+                                "unquantized. Rounds to nearest, written as compressed-tensors (instead of "
+                                "--bits/--group-size/--sym).",
                                 choices=SCHEMES, show_default=False)  # fmt: skip
 
     @property

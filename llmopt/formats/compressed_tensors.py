@@ -13,6 +13,11 @@ W = (q − zp)·scale = (code − zero)·scale, so the codes are written without
 and `weight_scale` float32 [out, 1], W = weight·scale, with activations quantized per token at run time
 (`input_activations` dynamic, strategy "token"), vLLM's FP8 W8A8.
 
+`--scheme nvfp4a16` (quant/grids/nvfp4.py) is written `nvfp4-pack-quantized`: `weight_packed` uint8
+[out, in/2] (E2M1 indices, column 2k in the low nibble of byte k, 2k+1 in the high one), `weight_scale`
+float8_e4m3fn [out, in/16] and `weight_global_scale` float32 [1], W = v·(weight_scale / weight_global_scale),
+strategy "tensor_group" (compressed-tensors' NVFP4A16 preset; no `weight_shape`, as the package writes none).
+
 `config.json`'s `quantization_config` has one `config_groups` entry per (bits, group size) with a `re:`
 target naming exactly its modules (several with `--target-bpw`), the head in `ignore` when it stays float.
 compressed-tensors ≥ 0.18 refuses `actorder: "group"` (columns in permuted groups, `weight_g_idx`), so
@@ -28,9 +33,9 @@ from typing import Any
 import torch
 
 from llmopt.errors import OptionError
-from llmopt.model.compressed_tensors import FLOAT, PACKED, int_part_shapes
-from llmopt.model.packing import pack_rows
-from llmopt.quant.grids import fp8
+from llmopt.model.compressed_tensors import FLOAT, NVFP4_PACKED, PACKED, int_part_shapes, nvfp4_part_shapes
+from llmopt.model.packing import pack_fp4_pairs, pack_rows
+from llmopt.quant.grids import fp8, nvfp4
 from llmopt.quant.pipeline import HEAD, QuantizeSpec
 from llmopt.quantized_tensor import QuantizedTensor
 
@@ -46,14 +51,23 @@ def _act_order(spec: QuantizeSpec) -> tuple[bool, bool]:
     return bool(getattr(gptq, "act_order", False)), bool(getattr(gptq, "static_groups", False))
 
 
-def is_fp8(spec: QuantizeSpec) -> bool:
-    """Whether the spec rounds onto the FP8 grid (`--scheme fp8-dynamic`: one grid for every module)."""
-    return spec.grids is not None and spec.grid_for(HEAD).name == fp8.NAME
+def float_grid(spec: QuantizeSpec) -> str | None:
+    """The float grid a `--scheme` rounds every module onto (fp8.NAME, nvfp4.NAME), or None (integer grids)."""
+    if spec.grids is None:
+        return None
+    name = spec.grid_for(HEAD).name
+    return name if name in (fp8.NAME, nvfp4.NVFP4.name) else None
 
 
-def fp8_scheme() -> dict[str, Any]:
-    """FP8 W8A8 as compressed-tensors' FP8_DYNAMIC preset states it: float8 weights per channel, static;
-    activations float8 per token, dynamic."""
+def float_scheme(grid: str) -> dict[str, Any]:
+    """A float scheme's config group as compressed-tensors' presets state it. FP8 (FP8_DYNAMIC): float8 weights
+    per channel, static; activations float8 per token, dynamic. NVFP4A16: FP4 weights in groups of 16 with e4m3
+    scales under a per-tensor global scale ("tensor_group"); activations unquantized."""
+    if grid == nvfp4.NVFP4.name:
+        weights = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": nvfp4.NVFP4.group_size,
+                   "strategy": "tensor_group", "block_structure": None, "dynamic": False, "observer": "minmax",
+                   "observer_kwargs": {}, "scale_dtype": "torch.float8_e4m3fn"}  # fmt: skip
+        return {"weights": weights, "input_activations": None, "output_activations": None, "format": NVFP4_PACKED}
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "channel",
                "block_structure": None, "dynamic": False, "observer": "minmax", "observer_kwargs": {}}  # fmt: skip
     acts = {**weights, "strategy": "token", "dynamic": True, "observer": None}
@@ -91,12 +105,21 @@ def weight_args(bits: int, group_size: int, sym: bool, actorder: str | None) -> 
     return args
 
 
+def one_global_scale(g: torch.Tensor) -> torch.Tensor:
+    """The float32 [1] global scale of a tensor (linears stored as one, as Phi-3's qkv_proj, repeat theirs by rows:
+    the grid gave the stage's linears one)."""
+    g = g.to(torch.float32).reshape(-1)
+    if not bool((g == g[0]).all()):
+        raise ValueError("linears stored as one need one NVFP4 global scale")
+    return g[:1].contiguous()
+
+
 class CompressedTensorsLayout:
     name = QUANT_METHOD
     bits = BITS
 
     def check(self, spec: QuantizeSpec) -> None:
-        if is_fp8(spec):
+        if float_grid(spec):
             return
         for bits in sorted({spec.method.bits, *(b for b, _ in spec.dynamic.values())}):
             if bits not in self.bits:
@@ -109,8 +132,14 @@ class CompressedTensorsLayout:
 
     def parts(self, out_f: int, in_f: int, bits: int, group_size: int,
               spec: QuantizeSpec | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:  # fmt: skip
-        if spec is not None and is_fp8(spec):
+        grid = float_grid(spec) if spec is not None else None
+        if grid == fp8.NAME:
             return [("weight", (out_f, in_f), torch.float8_e4m3fn), ("weight_scale", (out_f, 1), torch.float32)]
+        if grid == nvfp4.NVFP4.name:
+            dtypes = {"weight_packed": torch.uint8, "weight_scale": torch.float8_e4m3fn,
+                      "weight_global_scale": torch.float32}  # fmt: skip
+            shapes = nvfp4_part_shapes(out_f, in_f)
+            return [(part, shapes[part], dtype) for part, dtype in dtypes.items()]
         if group_size > 0 and in_f % group_size:
             raise OptionError(f"<group_size> {group_size} does not divide a linear's {in_f} inputs: compressed-tensors "
                               f"readers (the package, transformers, vLLM) take whole groups only; use a divisor of "
@@ -127,6 +156,10 @@ class CompressedTensorsLayout:
         out_f, in_f = qt.shape
         if qt.grid == fp8.NAME:  # exact: scale·2^9 undoes the code's step (quant/grids/fp8.py)
             return {"weight": fp8.values_of(qt.codes), "weight_scale": (qt.scales.to(torch.float32) * fp8.STEP).contiguous()}
+        if qt.grid == nvfp4.NVFP4.name:  # the e4m3 group scales and the global scale as the grid chose them
+            return {"weight_packed": pack_fp4_pairs(qt.codes),
+                    "weight_scale": qt.aux["group_scale"].to(torch.float8_e4m3fn).contiguous(),
+                    "weight_global_scale": one_global_scale(qt.aux["global_scale"])}  # fmt: skip
         if qt.g_idx is not None and not torch.equal(qt.group_index(), QuantizedTensor(
                 qt.codes, qt.scales, qt.bits, qt.group_size).group_index()):  # fmt: skip
             raise ValueError("compressed-tensors checkpoints keep no g_idx: groups must be contiguous")
@@ -142,9 +175,11 @@ class CompressedTensorsLayout:
                             modules: Mapping[str, tuple[int, int]] | None = None) -> dict[str, Any]:  # fmt: skip
         """One config group per (bits, group size), each naming its modules (`modules`: stored module ->
         its setting; without it, every Linear but the head in one group)."""
-        if is_fp8(spec):
-            groups = {"group_0": {"targets": [targets(list(modules))] if modules else ["Linear"], **fp8_scheme()}}
-            return self._config(spec, groups, FLOAT)
+        grid = float_grid(spec)
+        if grid:
+            scheme = float_scheme(grid)
+            groups = {"group_0": {"targets": [targets(list(modules))] if modules else ["Linear"], **scheme}}
+            return self._config(spec, groups, scheme["format"])
         act_order, static = _act_order(spec)
         actorder = "weight" if act_order and static else None
         settings: dict[tuple[int, int], list[str]] = {}

@@ -4,10 +4,12 @@ llm-compressor (and llmopt's `--format compressed-tensors`) write `config_groups
 (a module name, a `re:` pattern matched with re.match, or a class name such as "Linear") and `weights`
 (QuantizationArgs). A module takes the group of its most specific target, as compressed-tensors orders
 them: exact name, then pattern, then class. This reader takes integer weight-only schemes stored
-`pack-quantized` (W4A16, W8A16, asymmetric or not, group or channel) and FP8 weights stored
+`pack-quantized` (W4A16, W8A16, asymmetric or not, group or channel), FP8 weights stored
 `float-quantized` per channel, with activations unquantized or quantized per token at run
-time (FP8_DYNAMIC; llmopt's runtime keeps activations in its own dtype, so it runs such a model as W8A16);
-anything else is one line.
+time (FP8_DYNAMIC; llmopt's runtime keeps activations in its own dtype, so it runs such a model as W8A16),
+and NVFP4 weights stored `nvfp4-pack-quantized` (FP4 in groups of 16 under e4m3 scales and a per-tensor
+global scale, strategy "tensor_group"), with activations unquantized (NVFP4A16) or as NVFP4's own
+(FP4 "tensor_group", dynamic "local": run in llmopt as W4A16); anything else is one line.
 Used by `CompressedTensorsDirSource` (model/quantized_dir.py).
 """
 
@@ -18,12 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmopt.errors import InputError
-from llmopt.model.packing import packed_length
+from llmopt.model.packing import NVFP4_GROUP, packed_length
 
 PACKED = "pack-quantized"
 FLOAT = "float-quantized"
-KINDS = {PACKED: "int", FLOAT: "float"}  # what each storage format holds
-STRATEGIES = {"int": ("group", "channel"), "float": ("channel",)}
+NVFP4_PACKED = "nvfp4-pack-quantized"
+KINDS = {PACKED: "int", FLOAT: "float", NVFP4_PACKED: "float"}  # what each storage format holds
+# (storage format) -> the weight schemes it holds here: (bits, strategy) -> the group size (None: any)
+WEIGHTS = {PACKED: {(b, st): None for b in (2, 4, 8) for st in ("group", "channel")},
+           FLOAT: {(8, "channel"): None}, NVFP4_PACKED: {(4, "tensor_group"): NVFP4_GROUP}}  # fmt: skip
 BITS = (2, 4, 8)  # whole values per int32 word: compressed-tensors' packing is then ours (model/packing.py)
 ACTORDERS = (None, "weight", "static", "group", "dynamic")  # group/dynamic: permuted groups, weight_g_idx
 
@@ -36,12 +41,36 @@ def int_part_shapes(out_f: int, in_f: int, bits: int, group_size: int) -> dict[s
             "weight_zero_point": (packed_length(out_f, bits), groups), "weight_g_idx": (in_f,), "weight_shape": (2,)}  # fmt: skip
 
 
+def nvfp4_part_shapes(out_f: int, in_f: int) -> dict[str, tuple[int, ...]]:
+    """The stored shape of every part of an nvfp4-pack-quantized linear [out_f, in_f] (in_f a multiple of 16)."""
+    return {"weight_packed": (out_f, in_f // 2), "weight_scale": (out_f, in_f // NVFP4_GROUP),
+            "weight_global_scale": (1,), "input_global_scale": (1,)}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class WeightScheme:
     bits: int
     group_size: int  # > 0, or -1 per output channel
     sym: bool
-    kind: str = "int"  # "float": FP8 e4m3 weights, `weight` and `weight_scale`
+    kind: str = "int"  # "float": FP8 e4m3 weights (`weight`, `weight_scale`) or NVFP4 (4 bits)
+    fmt: str = PACKED  # the storage format
+
+    @property
+    def nvfp4(self) -> bool:
+        return self.fmt == NVFP4_PACKED
+
+
+def _activations_held(fmt: str, acts: object) -> bool:
+    """Whether llmopt runs a group's input activations as written (in its own dtype): none, FP8's per token
+    dynamic ones, or NVFP4's own (FP4 per 16 under a calibrated global scale, dynamic "local")."""
+    if not acts:
+        return True
+    if not isinstance(acts, dict):
+        return False
+    key = (acts.get("type"), acts.get("num_bits"), acts.get("strategy"), acts.get("dynamic"))
+    if fmt == FLOAT:
+        return key == ("float", 8, "token", True)
+    return fmt == NVFP4_PACKED and key == ("float", 4, "tensor_group", "local")
 
 
 @dataclass(frozen=True)
@@ -62,12 +91,9 @@ def _scheme(path: Path, name: str, group: object, top_format: object) -> WeightS
     w = group.get("weights")
     if not isinstance(w, dict):
         raise InputError(f"{where}: no weights scheme (llmopt reads weight schemes)")
-    acts = group.get("input_activations")
-    per_token_fp8 = isinstance(acts, dict) and (acts.get("type"), acts.get("num_bits"), acts.get("strategy"),
-                                                bool(acts.get("dynamic"))) == ("float", 8, "token", True)  # fmt: skip
-    if group.get("output_activations") or acts and not (fmt == FLOAT and per_token_fp8):
-        raise InputError(f"{where}: quantized activations are not supported (llmopt reads weight-only schemes and "
-                         f"FP8 with dynamic per-token activations)")  # fmt: skip
+    if group.get("output_activations") or not _activations_held(fmt, group.get("input_activations")):
+        raise InputError(f"{where}: quantized activations are not supported (llmopt reads weight-only schemes, "
+                         f"FP8 with dynamic per-token activations and NVFP4's own)")  # fmt: skip
     kind, strategy, actorder = w.get("type", "int"), w.get("strategy"), w.get("actorder")
     try:
         bits = int(w.get("num_bits", 8))
@@ -76,16 +102,17 @@ def _scheme(path: Path, name: str, group: object, top_format: object) -> WeightS
         raise InputError(f"{where}: bad num_bits or group_size") from None
     if strategy is None:
         strategy = "group" if group_size > 0 else "channel"
-    held = BITS if kind == "int" else (8,)
-    if kind != KINDS[fmt] or bits not in held or strategy not in STRATEGIES[kind] or w.get("dynamic") or \
-            actorder not in ACTORDERS or kind == "float" and not w.get("symmetric", True):  # fmt: skip
-        raise InputError(f"{where}: weight scheme {kind} {bits}-bit {strategy} (dynamic {w.get('dynamic')}, actorder "
-                         f"{actorder}) in {fmt} is not supported (llmopt reads int {'/'.join(map(str, BITS))}-bit, group "
-                         f"or channel, and symmetric float 8-bit per channel; static)")  # fmt: skip
-    if strategy == "group" and group_size <= 0:
-        raise InputError(f"{where}: strategy group needs a positive group_size, got {group_size}")
-    group_size = group_size if strategy == "group" else -1
-    return WeightScheme(bits, group_size, bool(w.get("symmetric", True)), kind)
+    held = WEIGHTS[fmt]
+    if kind != KINDS[fmt] or (bits, strategy) not in held or held[bits, strategy] not in (None, group_size) or \
+            w.get("dynamic") or actorder not in ACTORDERS or kind == "float" and not w.get("symmetric", True):  # fmt: skip
+        raise InputError(f"{where}: weight scheme {kind} {bits}-bit {strategy} (group {group_size}, dynamic "
+                         f"{w.get('dynamic')}, actorder {actorder}) in {fmt} is not supported (llmopt reads int "
+                         f"{'/'.join(map(str, BITS))}-bit, group or channel; symmetric float 8-bit per channel; "
+                         f"NVFP4: float 4-bit tensor_group, group 16; static)")  # fmt: skip
+    if strategy in ("group", "tensor_group") and group_size <= 0:
+        raise InputError(f"{where}: strategy {strategy} needs a positive group_size, got {group_size}")
+    group_size = group_size if strategy in ("group", "tensor_group") else -1
+    return WeightScheme(bits, group_size, bool(w.get("symmetric", True)), kind, fmt)
 
 
 def groups(path: Path, q: dict) -> list[Group]:

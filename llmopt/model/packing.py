@@ -146,3 +146,42 @@ def fp8_codes(values: torch.Tensor) -> torch.Tensor:
 def fp8_values(codes: torch.Tensor) -> torch.Tensor:
     """Codes -> the float8_e4m3fn values they stand for."""
     return ((codes.to(torch.int64) - FP8_OFFSET).to(torch.float32) / FP8_STEP).to(torch.float8_e4m3fn)
+
+
+# FP4 E2M1 values (MXFP4, NVFP4) as QuantizedTensor codes: the 16 values a 4-bit index stands for, doubled so
+# they are integers (index bit 3 is the sign), w = (scale / 2)·FP4_VALUES[index]. Origin: llama.cpp's
+# `kvalues_fp4` (ggml/src/ggml-common.h, commit 0c1e5709), the same order as compressed-tensors' E2M1 indices
+# (compressors/nvfp4/helpers.py: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6, bit 3 the sign). The code of index i is
+# FP4_VALUES[i] + 128 (8 bits, symmetric): (code − 128)·scale is the value. Shared by the FP4 grids
+# (quant/grids/fp4.py), the GGUF packers and the compressed-tensors writer and reader.
+FP4_VALUES: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+FP4_CODE_OFFSET = 128
+FP4_CODES = torch.tensor(FP4_VALUES, dtype=torch.int32) + FP4_CODE_OFFSET  # the code of each index
+FP4_INDEX_OF_CODE = torch.zeros(256, dtype=torch.uint8)  # code -> the first index with that value (0 for ±0)
+for _i in reversed(range(len(FP4_VALUES))):
+    FP4_INDEX_OF_CODE[int(FP4_CODES[_i])] = _i
+
+
+def pack_fp4_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """FP4 codes [rows, cols] (cols even) -> uint8 [rows, cols/2]: the indices of columns 2k and 2k+1 in the
+    low and high nibble of byte k, compressed-tensors' `weight_packed` (pack_fp4_to_uint8)."""
+    idx = FP4_INDEX_OF_CODE[codes.to(torch.int64)]
+    return (idx[:, 0::2] | (idx[:, 1::2] << 4)).contiguous()
+
+
+def unpack_fp4_pairs(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [rows, n] -> FP4 codes [rows, 2n] (uint8): the inverse of `pack_fp4_pairs`."""
+    b = packed.to(torch.int64)
+    idx = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(b.shape[0], -1)
+    return FP4_CODES[idx].to(torch.uint8)
+
+
+NVFP4_GRID = "nvfp4_tensor_group"  # QuantizedTensor.grid of compressed-tensors' NVFP4 (quant/grids/nvfp4.py)
+NVFP4_GROUP = 16
+
+
+def nvfp4_scales(group_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """The QuantizedTensor scales of NVFP4 FP4 codes: (e4m3 group scale / float32 global scale) / 2, the
+    division rounded in float32 as compressed-tensors' dequantizer and vLLM do it, halved for the doubled values
+    (exact)."""
+    return group_scale.to(torch.float32) / global_scale.to(torch.float32).reshape(1, 1) / 2

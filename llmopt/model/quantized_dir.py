@@ -23,7 +23,8 @@ import torch
 from llmopt.errors import InputError
 from llmopt.model import compressed_tensors as ct
 from llmopt.model.hf_dir import HFDirSource
-from llmopt.model.packing import (FP8_CODE_BITS, FP8_GRID, FP8_STEP, PACK_BITS, fp8_codes, unpack_awq, unpack_qweight,
+from llmopt.model.packing import (FP8_CODE_BITS, FP8_GRID, FP8_STEP, NVFP4_GRID, PACK_BITS, fp8_codes, nvfp4_scales,
+                                  unpack_awq, unpack_fp4_pairs, unpack_qweight,
                                   unpack_qzeros, unpack_rows)
 from llmopt.model.validate import check_tensors
 from llmopt.model.source import ModelSource, TensorInfo, torch_dtype
@@ -226,24 +227,33 @@ class CompressedTensorsDirSource(PackedDirSource):
     `weight_zero_point` [out·b/32, groups] (asymmetric; packed along the outputs), `weight_g_idx` (old
     checkpoints with actorder "group") and `weight_shape` [2]. W = (q − zp)·s = (code − zero)·s, so the
     stored unsigned values are our codes and zeros; a symmetric module gets zero 2^(b−1) on every group.
-    `float-quantized` FP8: `weight` float8_e4m3fn [out, in] and `weight_scale` [out, 1], W = weight·scale."""
+    `float-quantized` FP8: `weight` float8_e4m3fn [out, in] and `weight_scale` [out, 1], W = weight·scale.
+    `nvfp4-pack-quantized`: `weight_packed` uint8 [out, in/2] (E2M1 indices, low nibble first),
+    `weight_scale` float8_e4m3fn [out, in/16], `weight_global_scale` float32 [1] (and `input_global_scale`
+    [1] for NVFP4's activations, not used here), W = v·(weight_scale / weight_global_scale)."""
 
     kind = "hf-compressed-tensors"
     method = "compressed-tensors"
     label = "compressed-tensors"
-    parts = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
-    optional = ("weight_zero_point", "weight_g_idx")
-    vectors = ("weight_g_idx", "weight_shape")
+    int_parts = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
+    nvfp4_parts = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
+    parts = (*int_parts, "weight_global_scale", "input_global_scale")
+    optional = ("weight_zero_point", "weight_g_idx", "input_global_scale")
+    vectors = ("weight_g_idx", "weight_shape", "weight_global_scale", "input_global_scale")
     float_dtypes = (*HFDirSource.float_dtypes, "F8_E4M3")  # float-quantized weights, read with their scales
 
     def marks_module(self, part: str, info: TensorInfo) -> bool:
         return part == "weight_packed" or part == "weight" and info.dtype == "F8_E4M3"
 
     def module_parts(self, module: str) -> tuple[str, ...]:
-        return ("weight", "weight_scale") if self._fp8(module) else self.parts
+        if self._fp8(module):
+            return ("weight", "weight_scale")
+        return self.nvfp4_parts if self.scheme(module).nvfp4 else self.int_parts
 
     def module_kind(self, module: str) -> str:
-        return "CT-FP8" if self._fp8(module) else f"CT-INT{self.module_config(module)[0]}"
+        if self._fp8(module):
+            return "CT-FP8"
+        return "CT-NVFP4" if self.scheme(module).nvfp4 else f"CT-INT{self.module_config(module)[0]}"
 
     def _fp8(self, module: str) -> bool:
         info = self.stored.get(f"{module}.weight")
@@ -269,15 +279,19 @@ class CompressedTensorsDirSource(PackedDirSource):
     def linear_shape(self, module: str, packed_shape: tuple[int, ...]) -> tuple[int, int]:
         """(out, in) from `weight_shape` (FP8: the weight's own); every part's shape must agree with it."""
         s = self.scheme(module)
-        if s.kind != ("float" if self._fp8(module) else "int"):
+        if self._fp8(module) != (s.fmt == ct.FLOAT):
             raise InputError(f"{self.path}: {module} is stored {'float8' if self._fp8(module) else 'packed'} but its "
-                             f"config group's weights are {s.kind}")  # fmt: skip
-        if s.kind == "float":
+                             f"config group's weights are {s.kind} {s.bits}-bit ({s.fmt})")  # fmt: skip
+        if s.fmt == ct.FLOAT:
             out_f, in_f = packed_shape
             scale = tuple(self.stored[f"{module}.weight_scale"].shape)
             if scale != (out_f, 1):
                 raise InputError(f"{self.path}: {module}.weight_scale has shape {list(scale)}; a per-channel scale of "
                                  f"weight [{out_f}, {in_f}] is [{out_f}, 1]")  # fmt: skip
+            return out_f, in_f
+        if s.nvfp4:  # no weight_shape: the packed bytes give it
+            out_f, in_f = packed_shape[0], packed_shape[1] * 2
+            self._check_parts(module, ct.nvfp4_part_shapes(out_f, in_f), f"weight_packed {list(packed_shape)} (NVFP4)")
             return out_f, in_f
         shape = self.raw(module, "weight_shape")
         if shape.numel() != 2:
@@ -286,20 +300,28 @@ class CompressedTensorsDirSource(PackedDirSource):
         expected = ct.int_part_shapes(out_f, in_f, s.bits, s.group_size)
         if not s.sym and f"{module}.weight_zero_point" not in self.stored:
             raise InputError(f"{self.path}: {module}.weight_zero_point is missing (its scheme is asymmetric)")
+        self._check_parts(module, expected, f"weight_shape [{out_f}, {in_f}] at {s.bits} bits, group {s.group_size}")
+        return out_f, in_f
+
+    def _check_parts(self, module: str, expected: dict[str, tuple[int, ...]], given: str) -> None:
         for part, want in expected.items():
             info = self.stored.get(f"{module}.{part}")
             if info is not None and tuple(info.shape) != want:
-                raise InputError(f"{self.path}: {module}.{part} has shape {list(info.shape)}; weight_shape "
-                                 f"[{out_f}, {in_f}] at {s.bits} bits, group {s.group_size} needs {list(want)}")  # fmt: skip
-        return out_f, in_f
+                raise InputError(f"{self.path}: {module}.{part} has shape {list(info.shape)}; {given} needs {list(want)}")
 
     def stored_quantized(self, module: str) -> QuantizedTensor:
         out_f, in_f = self.modules[module]
         s = self.scheme(module)
-        if s.kind == "float":  # float8 values as codes, exactly (model/packing.py)
+        if s.fmt == ct.FLOAT:  # float8 values as codes, exactly (model/packing.py)
             scales = self.raw(module, "weight_scale").to(torch.float32) / FP8_STEP
             return QuantizedTensor(codes=fp8_codes(self.raw(module, "weight")), scales=scales, bits=FP8_CODE_BITS,
                                    group_size=in_f, grid=FP8_GRID)  # fmt: skip
+        if s.nvfp4:  # E2M1 indices as codes, the e4m3 and global scales as the dequantizer combines them
+            group_scale = self.raw(module, "weight_scale").to(torch.float32)
+            global_scale = self.raw(module, "weight_global_scale").to(torch.float32).reshape(1, 1)
+            return QuantizedTensor(codes=unpack_fp4_pairs(self.raw(module, "weight_packed")),
+                                   scales=nvfp4_scales(group_scale, global_scale), bits=8, group_size=s.group_size,
+                                   grid=NVFP4_GRID, aux={"group_scale": group_scale, "global_scale": global_scale})  # fmt: skip
         codes = unpack_rows(self.raw(module, "weight_packed").t().contiguous(), s.bits, in_f).t().contiguous()
         scales = self.raw(module, "weight_scale")
         if s.sym:

@@ -51,7 +51,23 @@ class RTN:
 
     def quantize_stage(self, weights: dict[str, torch.Tensor], grids: dict[str, Grid],
                        stats: Collector | None) -> dict[str, Quantized]:
-        return {name: Quantized(grids[name].quantize(w)) for name, w in weights.items()}
+        """Each linear on its own, but on a grid with a per-tensor parameter that a stage's linears share
+        (`per_stage`: NVFP4's global scale, which vLLM keeps once for fused q/k/v and gate/up), the stage's
+        linears on one grid as one tensor, then split by rows."""
+        out: dict[str, Quantized] = {}
+        shared: dict[Grid, list[str]] = {}
+        for name, w in weights.items():
+            if getattr(grids[name], "per_stage", False):
+                shared.setdefault(grids[name], []).append(name)
+            else:
+                out[name] = Quantized(grids[name].quantize(w))
+        for grid, names in shared.items():
+            qt = grid.quantize(torch.cat([weights[n] for n in names], dim=0))
+            row = 0
+            for n in names:
+                out[n] = Quantized(qt.take_rows(slice(row, row + weights[n].shape[0])))
+                row += weights[n].shape[0]
+        return {name: out[name] for name in weights}
 
     def provenance(self) -> dict[str, Any]:
         return {"mse": self.config.mse}

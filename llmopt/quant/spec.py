@@ -15,6 +15,7 @@ from llmopt.model.source import ModelSource
 from llmopt.quant.awq import AWQConfig
 from llmopt.quant.gptq import GPTQConfig
 from llmopt.quant.grids.fp8 import fp8_grid
+from llmopt.quant.grids.nvfp4 import NVFP4, nvfp4_grid
 from llmopt.quant.pipeline import QuantizeSpec, head_weight_name
 from llmopt.quant.rtn import RTNConfig
 
@@ -63,11 +64,14 @@ def build_spec(o: QuantizeOptions, method: str, sym: bool, *, act_dtype: torch.d
 
 
 def _scheme_spec(o: QuantizeOptions, method: str, common: dict) -> QuantizeSpec:
-    """`scheme` fp8-dynamic: every linear rounded to nearest onto the FP8 grid (one scale per row)."""
+    """`scheme`: every linear rounded to nearest onto one float grid: fp8-dynamic FP8 with one scale per row,
+    nvfp4a16 NVFP4 (groups of 16 under a per-tensor scale)."""
     if method != "rtn":
         raise OptionError(f"<scheme> {o.scheme} rounds to nearest: <method> {method} does not apply")
     if o.target_bpw is not None or o.mse:
         raise OptionError(f"<scheme> {o.scheme} is one grid for every linear: <target_bpw> and <mse> do not apply")
+    if o.scheme == "nvfp4a16":
+        return QuantizeSpec(RTNConfig(4, NVFP4.group_size, True), grids=nvfp4_grid, **common)
     return QuantizeSpec(RTNConfig(8, -1, True), grids=fp8_grid, **common)
 
 

@@ -46,3 +46,18 @@ def test_a_checkpoint_missing_a_scale(ct_dir, tmp_path, llmopt_cli):
     del state["model.layers.0.self_attn.q_proj.weight_scale"]
     save_file(state, bad / "model.safetensors", metadata={"format": "pt"})
     assert_clean_failure(llmopt_cli("inspect", bad), "model.layers.0.self_attn.q_proj.weight_scale is missing")
+
+
+def test_nvfp4a16_is_written_and_generates(tiny_models, tmp_path, llmopt_cli):
+    out = tmp_path / "nvfp4"
+    result = llmopt_cli("quantize", tiny_models("llama"), "--scheme", "nvfp4a16", "-o", out, "--json")
+    assert result.returncode == 0, result.stderr
+    result = llmopt_cli("inspect", out, "--json")
+    assert result.returncode == 0 and "CT-NVFP4" in result.stdout, result.stderr
+    result = llmopt_cli("generate", out, "-p", "hello", "-n", "4", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+
+
+def test_nvfp4a16_rounds_to_nearest(tiny_models, tmp_path, llmopt_cli):
+    result = llmopt_cli("quantize", tiny_models("llama"), "--scheme", "nvfp4a16", "--method", "gptq", "-o", tmp_path / "o")
+    assert_clean_failure(result, "--scheme nvfp4a16 rounds to nearest: --method gptq does not apply")

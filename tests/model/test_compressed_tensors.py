@@ -14,7 +14,9 @@ import transformers
 from compressed_tensors.compressors import ModelCompressor
 from compressed_tensors.compressors.base import BaseCompressor
 from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
-from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config
+from compressed_tensors.quantization import (QuantizationConfig, QuantizationStatus, apply_quantization_config,
+                                             preset_name_to_scheme)
+from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
 from safetensors.torch import load_file, save_file
 
 from llmopt.errors import InputError
@@ -63,6 +65,10 @@ def package_checkpoint(source: Path, out: Path, bits: int, group_size: int, sym:
                                 quantization_status=QuantizationStatus.FROZEN, format=fmt)  # fmt: skip
     apply_quantization_config(model, config)
     _fill_minmax(model, bits, group_size, sym, fp8)
+    return _compress_and_save(model, fmt, source, out)
+
+
+def _compress_and_save(model: torch.nn.Module, fmt: str, source: Path, out: Path) -> Path:
     compressor = ModelCompressor.from_pretrained_model(model, fmt)
     compressor.compress_model(model)
     model.save_pretrained(out)
@@ -72,11 +78,31 @@ def package_checkpoint(source: Path, out: Path, bits: int, group_size: int, sym:
     return out
 
 
+def package_nvfp4_checkpoint(source: Path, out: Path) -> Path:
+    """The NVFP4A16 preset applied by the package, each module's global scale and e4m3 group scales from its own
+    helpers (generate_gparam, calculate_qparams: what its min-max observer computes), compressed and saved."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    fmt = "nvfp4-pack-quantized"
+    config = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme("NVFP4A16", ["Linear"])},
+                                ignore=["lm_head"], quantization_status=QuantizationStatus.FROZEN, format=fmt)  # fmt: skip
+    apply_quantization_config(model, config)
+    for module in model.modules():
+        if hasattr(module, "weight_global_scale"):
+            w = module.weight.data
+            module.weight_global_scale.data = generate_gparam(w.min(), w.max()).reshape(module.weight_global_scale.shape)
+            g = w.view(w.shape[0], -1, 16)
+            scale, _ = calculate_qparams(g.amin(-1), g.amax(-1), module.quantization_scheme.weights,
+                                         global_scale=module.weight_global_scale.data)  # fmt: skip
+            module.weight_scale.data = scale.reshape(module.weight_scale.shape).to(module.weight_scale.dtype)
+    return _compress_and_save(model, fmt, source, out)
+
+
 @pytest.fixture(scope="module")
 def package_dirs(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("ct-package")
     settings = {"w4g32": (4, 32, True), "w8ch": (8, -1, True), "w4g32-asym": (4, 32, False), "fp8": (8, -1, True, True)}
-    return {name: package_checkpoint(tiny_models("llama"), root / name, *s) for name, s in settings.items()}
+    dirs = {name: package_checkpoint(tiny_models("llama"), root / name, *s) for name, s in settings.items()}
+    return {**dirs, "nvfp4": package_nvfp4_checkpoint(tiny_models("llama"), root / "nvfp4")}
 
 
 @pytest.mark.parametrize("name", ["w4g32", "w8ch"])
@@ -95,11 +121,12 @@ def test_package_written_checkpoint_gives_transformers_logits(package_dirs, name
     assert (got - expected).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("name", ["w4g32", "w8ch", "w4g32-asym", "fp8"])
+@pytest.mark.parametrize("name", ["w4g32", "w8ch", "w4g32-asym", "fp8", "nvfp4"])
 def test_package_written_weights_are_the_packages_decompressed_ones(package_dirs, name):
     """The package's own decompressor and llmopt's reader give the same weights (the scales are float32 here, so
-    exactly). Asymmetric files are checked this way only: transformers 5.25 with compressed-tensors 0.20.1 does
-    not load them (it expects the zero points unpacked, [out, groups], and stops on the size mismatch)."""
+    exactly; NVFP4's decompressor casts its float32 result to bfloat16, so ours rounded to bfloat16). Asymmetric
+    files are checked this way only: transformers 5.25 with compressed-tensors 0.20.1 does not load them (it
+    expects the zero points unpacked, [out, groups], and stops on the size mismatch)."""
     out = package_dirs[name]
     config = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
     (scheme,) = config.config_groups.values()
@@ -107,12 +134,30 @@ def test_package_written_weights_are_the_packages_decompressed_ones(package_dirs
     modules = sorted({k.rpartition(".")[0] for k in state if k.endswith(".weight_scale")})
     assert len(modules) == 14
     compressor = BaseCompressor.get_value_from_registry(config.format)
-    assert (compressor is PackedQuantizationCompressor) == (name != "fp8")
+    assert (compressor is PackedQuantizationCompressor) == (name not in ("fp8", "nvfp4"))
     with open_model(out) as src:
         for module in modules:
             local = {k.rpartition(".")[2]: v for k, v in state.items() if k.rpartition(".")[0] == module}
             theirs = compressor.decompress(local, scheme)["weight"]
-            assert torch.equal(src.load(f"{module}.weight"), theirs), module
+            assert torch.equal(src.load(f"{module}.weight").to(theirs.dtype), theirs), module
+
+
+def test_package_written_nvfp4_loads_in_transformers_with_our_weights(package_dirs):
+    """transformers 5.25 loads NVFP4A16 on the CPU in bfloat16 only (its decompressed weights are bfloat16; a
+    float32 model stops in F.linear: "expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16").
+    Its weights are llmopt's rounded to bfloat16, and llmopt's runtime (float32) gives its logits within bfloat16's
+    precision."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(package_dirs["nvfp4"], dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = ref(IDS).logits.float()  # the first forward decompresses
+    with open_model(package_dirs["nvfp4"]) as src:
+        assert src.tensors["model.layers.0.mlp.up_proj.weight"].dtype == "CT-NVFP4"
+        for name, module in ref.named_modules():
+            if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
+                assert torch.equal(module.weight, src.load(f"{name}.weight").to(torch.bfloat16)), name
+        model = build_decoder(src, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        assert (model(IDS) - expected).abs().max() < 0.05 * expected.abs().max()
 
 
 def test_package_written_fp8_gives_transformers_logits_without_activation_quantization(package_dirs):

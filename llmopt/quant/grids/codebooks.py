@@ -15,8 +15,9 @@ from __future__ import annotations
 # IQ4_NL / IQ4_XS: the 16 int8 levels a 4-bit index stands for (w = d * IQ4_VALUES[index]), sorted.
 IQ4_VALUES: tuple[int, ...] = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
-# MXFP4 / NVFP4: the E2M1 values doubled (index bit 3 is the sign), w = (scale / 2) * FP4_VALUES[index].
-FP4_VALUES: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+# MXFP4 / NVFP4: the E2M1 values doubled (index bit 3 is the sign), w = (scale / 2) * FP4_VALUES[index]; defined
+# in model/packing.py, below the grids, because the compressed-tensors reader turns stored indices into codes too.
+from llmopt.model.packing import FP4_VALUES  # noqa: E402,F401
 
 
 # IQ3_XXS: the 256 lattice points, 4 coordinates of 3 bits each (coordinate i = (p >> 3i) & 7 stands for

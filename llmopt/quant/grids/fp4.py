@@ -24,18 +24,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmopt.quant.grids.codebooks import FP4_VALUES
+from llmopt.model.packing import FP4_CODE_OFFSET as CODE_OFFSET
+from llmopt.model.packing import FP4_CODES as CODES
+from llmopt.model.packing import FP4_INDEX_OF_CODE as INDEX_OF_CODE
+from llmopt.model.packing import FP4_VALUES
 from llmopt.quant.grids.layout import BlockGrid, BlockParams, to_rows
 from llmopt.quant.grids.numerics import blocks_major
 from llmopt.quantized_tensor import QuantizedTensor
 
 QK = 32
-CODE_OFFSET = 128
 VALUES = torch.tensor(FP4_VALUES, dtype=torch.float32)
-CODES = VALUES.to(torch.int32) + CODE_OFFSET  # the QuantizedTensor code of each index
-INDEX_OF_CODE = torch.zeros(256, dtype=torch.uint8)  # code -> the first index with that value (0 for ±0)
-for _i in reversed(range(len(FP4_VALUES))):
-    INDEX_OF_CODE[int(CODES[_i])] = _i
 _MAGNITUDES = sorted({abs(v) for v in FP4_VALUES})  # 0, 1, 2, 3, 4, 6, 8, 12
 # the magnitude of every cell c = ceil(2|a|): the largest one whose lower midpoint 2m is below c
 MAGNITUDE_OF_CELL = np.array([max(v for i, v in enumerate(_MAGNITUDES) if i == 0 or c > _MAGNITUDES[i - 1] + v)

@@ -1,0 +1,113 @@
+"""NVFP4 compressed-tensors checkpoints written by llmopt (`--scheme nvfp4a16`, `nvfp4-pack-quantized`): the
+layout is the package's, its NVFP4PackedCompressor decompresses them to llmopt's weights (it computes in float32
+and casts to bfloat16, so to ours rounded to bfloat16), the rounding is the package's own, the linears vLLM fuses
+share one global scale, and bad files are one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
+from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+from compressed_tensors.utils.match import match_name
+from safetensors.torch import load_file, save_file
+
+from llmopt.formats.compressed_tensors import LAYOUT
+from llmopt.model import open_model
+from llmopt.model.packing import unpack_fp4_pairs
+from llmopt.quant.grids.nvfp4 import NVFP4
+
+
+@pytest.fixture(scope="module")
+def nvfp4_dir(tiny_models, tmp_path_factory):
+    from llmopt.cli.app import main
+
+    out = tmp_path_factory.mktemp("nvfp4") / "nvfp4"
+    assert main(["quantize", str(tiny_models("llama")), "--scheme", "nvfp4a16", "-o", str(out), "--json"]) == 0
+    return out
+
+
+def test_nvfp4a16_is_the_packages_layout_and_decompresses_to_our_weights(nvfp4_dir, tiny_models):
+    qc = json.loads((nvfp4_dir / "config.json").read_text())["quantization_config"]
+    (group,) = qc["config_groups"].values()
+    assert (qc["format"], group["format"], group["input_activations"]) == ("nvfp4-pack-quantized",) * 2 + (None,)
+    w = group["weights"]
+    assert (w["num_bits"], w["type"], w["strategy"], w["group_size"]) == (4, "float", "tensor_group", 16)
+    config = QuantizationConfig.model_validate(qc)
+    state = load_file(nvfp4_dir / "model.safetensors")
+    down = "model.layers.0.mlp.down_proj"  # [64, 128]
+    assert (state[f"{down}.weight_packed"].dtype, tuple(state[f"{down}.weight_packed"].shape)) == (torch.uint8, (64, 64))
+    assert (state[f"{down}.weight_scale"].dtype, tuple(state[f"{down}.weight_scale"].shape)) == (torch.float8_e4m3fn, (64, 8))
+    assert (state[f"{down}.weight_global_scale"].dtype, tuple(state[f"{down}.weight_global_scale"].shape)) == (torch.float32, (1,))
+    modules = sorted({k.rpartition(".")[0] for k in state if k.endswith(".weight_packed")})
+    assert len(modules) == 14 and not any(k.endswith(".weight_shape") for k in state)
+    with open_model(nvfp4_dir) as q, open_model(tiny_models("llama")) as src:
+        assert q.tensors[f"{down}.weight"].dtype == "CT-NVFP4"
+        for module in modules:
+            (scheme,) = [g for g in config.config_groups.values() if any(match_name(module, t) for t in g.targets)]
+            local = {k.rpartition(".")[2]: v for k, v in state.items() if k.rpartition(".")[0] == module}
+            theirs = NVFP4PackedCompressor.decompress(local, scheme)["weight"]
+            ours = q.load(f"{module}.weight")
+            assert theirs.dtype == torch.bfloat16 and torch.equal(theirs, ours.to(torch.bfloat16)), module
+            assert torch.equal(ours, NVFP4.quantize(src.load(f"{module}.weight")).dequantize()) or module.endswith(
+                ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")), module  # fused ones share the stage's scale  # fmt: skip
+    for layer in range(2):  # vLLM fuses q/k/v and gate/up and keeps one global scale for them
+        for fused in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
+            scales = {float(state[f"model.layers.{layer}.{m}.weight_global_scale"]) for m in fused}
+            assert len(scales) == 1, (layer, fused)
+
+
+def test_rounding_is_the_packages_compressor(tmp_path):
+    """Given the same scales, the package's compressor picks the same E2M1 values (it writes the sign of a negative
+    value that rounds to zero, llmopt +0), and ties go to the even mantissa as in its cast_to_fp4."""
+    w = torch.randn(48, 160, generator=torch.Generator().manual_seed(3)) * 0.02
+    w[0, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5, -6])
+    qt = NVFP4.quantize(w)
+    assert float(qt.aux["group_scale"][0, 0] / qt.aux["global_scale"][0, 0]) == 1.0  # ties are exact ties
+    ours = LAYOUT.tensors(qt)
+    state = {"weight": w, "weight_scale": qt.aux["group_scale"], "weight_global_scale": qt.aux["global_scale"].reshape(1)}
+    theirs = NVFP4PackedCompressor.compress(state, preset_name_to_scheme("NVFP4A16", ["Linear"]))
+    assert torch.equal(unpack_fp4_pairs(theirs["weight_packed"]), unpack_fp4_pairs(ours["weight_packed"]))
+    assert torch.equal(theirs["weight_scale"].view(torch.uint8), ours["weight_scale"].view(torch.uint8))
+    assert (qt.dequantize()[0, :16] == torch.tensor([0, 1, 1, 2, 2, 4, 4, 6, 0, -1, -1, -2, -2, -4, -4, -6.0])).all()
+
+
+def _missing_global_scale(state):
+    del state["model.layers.1.mlp.up_proj.weight_global_scale"]
+
+
+def _scale_shape_lies(state):
+    state["model.layers.0.mlp.down_proj.weight_scale"] = state["model.layers.0.mlp.down_proj.weight_scale"][:, :4].contiguous()
+
+
+@pytest.mark.parametrize("edit,expect", [
+    (_missing_global_scale, "model.layers.1.mlp.up_proj.weight_global_scale is missing"),
+    (_scale_shape_lies, "model.layers.0.mlp.down_proj.weight_scale has shape [64, 4]; weight_packed [64, 64] (NVFP4) "
+                        "needs [64, 8]"),
+])  # fmt: skip
+def test_bad_nvfp4_file_is_one_line_exit_2(nvfp4_dir, tmp_path, llmopt_here, edit, expect):
+    out = tmp_path / "bad"
+    shutil.copytree(nvfp4_dir, out)
+    state = load_file(out / "model.safetensors")
+    edit(state)
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    result = llmopt_here("inspect", out)
+    assert result.returncode == 2 and expect in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_transformers_loads_it_with_our_weights(nvfp4_dir):
+    """transformers (its compressed-tensors quantizer, bfloat16 on the CPU: see tests/model) holds llmopt's weights
+    rounded to bfloat16."""
+    import transformers
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(nvfp4_dir, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref(torch.tensor([[1, 2, 3]]))  # the first forward decompresses
+    linears = {n: m for n, m in ref.named_modules() if n.startswith("model.layers.") and isinstance(m, torch.nn.Linear)}
+    assert len(linears) == 14
+    with open_model(nvfp4_dir) as q:
+        for name, module in linears.items():
+            assert torch.equal(module.weight, q.load(f"{name}.weight").to(torch.bfloat16)), name

@@ -58,7 +58,7 @@ def main() -> None:
     from llmopt.runtime.weights import set_threads
 
     set_threads(args.threads)
-    target = load(args.model or smollm2_gguf(), dtype="float32", device="cpu", packed=False)  # every weight float32
+    target = load(args.model or smollm2_gguf(), dtype="float32", device="cpu", keep_quantized=False)  # every weight float32
     model, tok = target.model, target.tokenizer
     text = WIKITEXT.read_text(encoding="utf-8") if WIKITEXT.exists() else FALLBACK * 200
     system = tok.encode(text)[:args.system_tokens]

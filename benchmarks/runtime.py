@@ -192,7 +192,7 @@ def main() -> None:
 
         if args.gptq:  # a GPTQ checkpoint of the same model: packed (`--dtype`'s path) vs dequantized
             for mode, packed in (("packed_int4", True), ("dequantized", False)):
-                g = load_model(args.gptq, args.dtype, args.device, packed=packed)
+                g = load_model(args.gptq, args.dtype, args.device, quantized=packed)
                 gq = Generator(g.model, g.tokenizer)
                 bench_llmopt(gq, ids, 8)
                 results.setdefault("gptq", {})[mode] = {"tokens_per_s": round(

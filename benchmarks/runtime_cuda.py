@@ -107,26 +107,26 @@ def smollm2_cuda_vs_cpu(tmp: Path, base: Path, device: str = "cuda") -> None:
 
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 products as float32 (the CPU's)
     torch.backends.cudnn.allow_tf32 = False
-    cpu = load_model(str(base), "float32", "cpu", packed=False)
+    cpu = load_model(str(base), "float32", "cpu", quantized=False)
     ids = cpu.tokenizer.encode(PROMPT)
     tokens, _ = _greedy(cpu.model, ids, 64)
-    gpu = load_model(str(base), "float32", device, packed=False)
+    gpu = load_model(str(base), "float32", device, quantized=False)
     gpu_tokens, tok_s = _greedy(gpu.model, ids, 64)
     row = _compare(_logits(cpu.model, ids), tokens, _logits(gpu.model, ids), gpu_tokens)
     report(f"smollm2_fp32_{device}_vs_cpu", {**row, "tok_s": round(tok_s, 1)})
     del gpu
     for mix in ("Q4_0", "Q8_0", "Q4_K_M"):
         path = write_mix(base, mix, tmp / f"smollm2-{mix}.gguf")
-        ref = load_model(str(path), "float32", "cpu", packed=False).model
+        ref = load_model(str(path), "float32", "cpu", quantized=False).model
         ref_logits, ref_tokens = _logits(ref, ids), _greedy(ref, ids, 64)[0]
         for dtype in ("float32", "bfloat16"):
             try:
-                kept = load_model(str(path), dtype, device, gguf_quantized=True).model
+                kept = load_model(str(path), dtype, device, quantized=True).model
                 got, tok_s = _greedy(kept, ids, 64)
                 logits = _logits(kept, ids)
                 row = {"vs_cpu_float32": _compare(ref_logits, ref_tokens, logits, got), "tok_s": round(tok_s, 1),
                        "held_mib": round(held_bytes(kept) / 2**20, 1), "modules": _module_kinds(kept)}
-                dense = load_model(str(path), dtype, device, packed=False).model
+                dense = load_model(str(path), dtype, device, quantized=False).model
                 dense_tokens, dense_tok_s = _greedy(dense, ids, 64)
                 row["dequantized_tok_s"] = round(dense_tok_s, 1)
                 row["vs_dequantized_same_device_dtype"] = _compare(_logits(dense, ids), dense_tokens, logits, got)
@@ -144,7 +144,7 @@ def smollm2_cuda_vs_cpu(tmp: Path, base: Path, device: str = "cuda") -> None:
             report(name, {"quantize_error": r.stderr[-800:]})
             continue
         try:
-            dense = load_model(str(gptq), dtype, device, packed=False).model
+            dense = load_model(str(gptq), dtype, device, quantized=False).model
             packed = load_model(str(gptq), dtype, device).model
             ref_tokens, dense_tok_s = _greedy(dense, ids, 64)
             got, tok_s = _greedy(packed, ids, 64)

@@ -75,7 +75,7 @@ def llmopt_decode(path: Path, dtype: str, packed: bool, ids: list[int], tokens: 
     from llmopt.runtime.generate import Generator
     from llmopt.runtime.weights import load_model
 
-    loaded = load_model(str(path), dtype, "cpu", packed=packed, gguf_quantized=packed)
+    loaded = load_model(str(path), dtype, "cpu", quantized=packed)
     gen = Generator(loaded.model, loaded.tokenizer, compile=compile)
     gen.generate(ids, 4, ignore_eos=True)  # warm-up (and, compiled, the compile)
     m = gen.generate(ids, tokens, ignore_eos=True).metrics
@@ -161,7 +161,7 @@ def run_7b_child(path: str, tokens: int, threads: int) -> None:
     torch.set_num_threads(threads)
     before = status_kib()  # the interpreter and torch, before any weight
     t0 = time.perf_counter()
-    loaded = load_model(path, "float32", "cpu", packed=True, gguf_quantized=True)
+    loaded = load_model(path, "float32", "cpu", quantized=True)
     load_s = time.perf_counter() - t0
     after_load = status_kib()
     m = Generator(loaded.model, None).generate([1, 2, 3, 4, 5, 6, 7, 8], tokens, ignore_eos=True).metrics

@@ -57,7 +57,7 @@ def main() -> None:
     from llmopt.runtime.weights import load_model, set_threads
 
     set_threads(args.threads)
-    loaded = load_model(str(smollm2_gguf()), "float32", "cpu", packed=False)  # dequantized: the fp32 model
+    loaded = load_model(str(smollm2_gguf()), "float32", "cpu", quantized=False)  # dequantized: the fp32 model
     model, tok = loaded.model, loaded.tokenizer
     ids = tok.encode(WIKITEXT.read_text(encoding="utf-8"))[:args.prompt_tokens]
     layers = model.arch.num_layers

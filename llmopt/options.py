@@ -305,21 +305,26 @@ class DtypeOptions(Options):
 
 
 @_options
-class PackedOptions(Options):
-    packed: bool = option(True, "GPTQ/AWQ: keep weights packed (bit planes; with --dtype bfloat16 4-bit layers take "
-                          "the int4 kernel, faster, not exact) or dequantize them. GGUF on CPU stays quantized in "
-                          "memory when dequantized it would not fit (half the available memory); --dequantize always "
-                          "dequantizes.", flags=("--packed-int4/--dequantize",))  # fmt: skip
+class KeepQuantizedOptions(Options):
+    keep_quantized: bool | None = option(None, "GPTQ/AWQ/compressed-tensors and GGUF: keep the weights quantized in "
+                                         "memory (--keep-quantized: bit planes, a GGUF type's fields, with --dtype "
+                                         "bfloat16 the int4 kernel) or dequantize them into --dtype (--dequantize). "
+                                         "Default: dequantized where that takes at most half the available memory "
+                                         "(the faster path there), else quantized.",
+                                         flags=("--keep-quantized/--dequantize",), show_default=False)  # fmt: skip
 
 
 @_options
-class KeepQuantizedOptions(Options):
-    keep_quantized: bool = option(False, "GGUF on CPU: keep the weights quantized in memory even when dequantized "
-                                  "they would fit (decode faster, prefill slower, the first step compiles the "
-                                  "products). --compile implies it.")  # fmt: skip
+class CompileOptions(Options):
     compile: bool = option(False, "torch.compile the decode step (CUDA graphs on GPU; bench: batch 1), before prefill "
-                           "(up to a minute; reported apart). On CPU it pays on a GGUF, which it keeps quantized, not on "
-                           "float weights.")  # fmt: skip
+                           "(up to a minute; reported apart). On CPU it pays on quantized weights, which it keeps "
+                           "quantized unless --dequantize, not on float ones.")  # fmt: skip
+
+
+def quantized_in_memory(keep_quantized: bool | None, compile: bool) -> bool | None:
+    """The runtime's `quantized` (runtime/weights.build_decoder) for a command's flags: as asked, else True for
+    a compiled decode step (it pays on quantized products, not on float ones), else None: the memory rule."""
+    return True if keep_quantized is None and compile else keep_quantized
 
 
 @_options
@@ -328,16 +333,8 @@ class ThreadsOptions(Options):
 
 
 @_options
-class LoadOptions(DtypeOptions, PackedOptions, KeepQuantizedOptions):
+class LoadOptions(DtypeOptions, KeepQuantizedOptions, CompileOptions):
     """How `generate` loads a model into the runtime (`eval` and `bench` take some of these)."""
-
-    @property
-    def gguf_quantized(self) -> bool | None:
-        """The runtime's `gguf_quantized` (runtime/weights.py): True when asked, or when the decode step is
-        compiled (it pays on quantized weights); None leaves it to the memory rule; --dequantize never."""
-        if self.keep_quantized and not self.packed:
-            raise OptionError("give one of <keep_quantized> and <dequantize>")
-        return (True if self.keep_quantized or self.compile else None) if self.packed else None
 
 
 @_options
@@ -376,7 +373,7 @@ class GenerateOptions(SamplingOptions, LoadOptions):
 
 
 @_options
-class EvalOptions(DtypeOptions):
+class EvalOptions(DtypeOptions, KeepQuantizedOptions):
     """`llmopt eval`: perplexity, KL and top-1 over windows of a text; quality gates (a recipe's `eval:` too)."""
 
     command: ClassVar[str] = "eval"
@@ -390,7 +387,6 @@ class EvalOptions(DtypeOptions):
                                    show_default=False)  # fmt: skip
     batch: int = option(1, "Windows per forward pass (same numbers; faster where one window leaves the device idle).",
                         ge=1, le=1024, hint="windows per forward must be between 1 and 1024")  # fmt: skip
-    packed: bool = field(default=False, metadata=PackedOptions.__dataclass_fields__["packed"].metadata)  # scoring: exact by default
     stream: bool | None = option(None, "Run each model one block at a time over all windows, for models that do not fit "
                                  "in memory (the same numbers; weights dequantized as read). Default: when the model and "
                                  "--ref at --dtype would not fit in 3/4 of the memory available.",
@@ -398,7 +394,7 @@ class EvalOptions(DtypeOptions):
 
 
 @_options
-class BenchOptions(DtypeOptions, KeepQuantizedOptions, ThreadsOptions):
+class BenchOptions(DtypeOptions, KeepQuantizedOptions, CompileOptions, ThreadsOptions):
     """`llmopt bench`: a sweep of prompt lengths x batch sizes (or a server's concurrency)."""
 
     command: ClassVar[str] = "bench"

@@ -22,10 +22,10 @@ def test_quantize_write_load_generate(tiny_models, tmp_path: Path) -> None:
     qcfg = json.loads((result.output / "config.json").read_text())["quantization_config"]
     assert (qcfg["bits"], qcfg["group_size"], qcfg["meta"]["method"]) == (4, 32, "gptq")
 
-    model = llmopt.load(result.output, packed=False)
+    model = llmopt.load(result.output, keep_quantized=False)
     out = llmopt.generate(model, "The quick brown fox", max_tokens=12, ignore_eos=True)
     assert len(out.token_ids) == 12 and out.text
-    again = llmopt.generate(result.output, "The quick brown fox", max_tokens=12, ignore_eos=True, packed=False)
+    again = llmopt.generate(result.output, "The quick brown fox", max_tokens=12, ignore_eos=True, keep_quantized=False)
     assert again.token_ids == out.token_ids  # a path or a loaded model: the same run
 
     gguf = llmopt.convert_to_gguf(result.output, tmp_path / "q8.gguf", "Q8_0")
@@ -45,12 +45,14 @@ def test_library_errors_name_fields(tiny_models, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_smollm2_through_the_api(smollm2_hf: Path, tmp_path: Path) -> None:
-    """The real model: GPTQ 4-bit on wikitext, written, loaded packed, generating, and close to the
+    """The real model: GPTQ 4-bit on wikitext, written, loaded (dequantized by default: it fits; packed when
+    asked), generating, and close to the
     fp16 model on held-out text (top-1 agreement and KL, from the API's evaluate)."""
     data = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"
     result = llmopt.quantize(smollm2_hf, tmp_path / "gptq", method="gptq", bits=4, group_size=64,
                              calib=str(data / "valid.txt"), nsamples=8, seqlen=128)
-    packed = llmopt.load(result.output)  # 4-bit layers as bit planes (float32 math)
+    assert not any(type(m).__name__ == "GroupIntLinear" for m in llmopt.load(result.output).model.modules())  # fits
+    packed = llmopt.load(result.output, keep_quantized=True)  # 4-bit layers as bit planes (float32 math)
     assert any(type(m).__name__ == "GroupIntLinear" for m in packed.model.modules())
     out = llmopt.generate(packed, "The capital of France is", max_tokens=16, ignore_eos=True)
     assert len(out.token_ids) == 16 and out.text.strip()

@@ -97,12 +97,12 @@ def _streams(models: Sequence[str | Path], ref: str | Path | LoadedModel | None,
              device: torch.device, dtype: torch.dtype) -> bool:  # fmt: skip
     """`stream` when given; else stream when the largest model and the reference, at the eval dtype,
     would take more than 3/4 of the memory available on the device (the rest: activations, logits,
-    the allocator). A reference already loaded, or `packed` weights asked for, keep the loaded path."""
+    the allocator). A reference already loaded, or quantized weights asked for, keep the loaded path."""
     if o.stream is not None:
-        if o.stream and o.packed:
-            raise OptionError("<stream> runs each block dequantized: it cannot keep GPTQ/AWQ layers <packed>")
+        if o.stream and o.keep_quantized:
+            raise OptionError("<stream> runs each block dequantized: it cannot <keep_quantized>")
         return o.stream
-    if isinstance(ref, LoadedModel) or o.packed:
+    if isinstance(ref, LoadedModel) or o.keep_quantized:
         return False
     largest = max(_parameter_count(m) for m in models)
     weights = (largest + (_parameter_count(ref) if ref is not None else 0)) * dtype.itemsize
@@ -119,10 +119,10 @@ def _parameter_count(spec: str | Path) -> int:
 def _loaded_rows(models: Sequence[str | Path], text: str, data: str | Path, ref: str | Path | LoadedModel | None,
                  o: EvalOptions, device: str, on_window: OnWindow | None) -> tuple[list[Row], list[int]]:  # fmt: skip
     """Each model loaded whole in turn, against the reference loaded once."""
-    reference = ref if ref is None or isinstance(ref, LoadedModel) else load_model(str(ref), o.dtype, device, o.packed)
+    reference = ref if ref is None or isinstance(ref, LoadedModel) else load_model(str(ref), o.dtype, device, o.keep_quantized)
     rows, counts = [], []
     for i, model in enumerate(models):
-        target = load_model(str(model), o.dtype, device, o.packed)
+        target = load_model(str(model), o.dtype, device, o.keep_quantized)
         windows = _windows(text, o, (target.path, target.tokenizer, target.model.arch.vocab_size),
                            None if reference is None else (reference.path, reference.tokenizer, reference.model.arch.vocab_size))  # fmt: skip
         total = windows.shape[0]

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.errors import InputError, OptionError
-from llmopt.options import GenerateOptions, LoadOptions
+from llmopt.options import GenerateOptions, LoadOptions, quantized_in_memory
 from llmopt.runtime.chat import apply_chat_template
 from llmopt.runtime.generate import GenerationResult, Generator, Metrics
 from llmopt.runtime.sampling import SamplingConfig
@@ -25,12 +25,12 @@ from llmopt.runtime.weights import LoadedModel, load_model
 
 def load(model: str | Path, options: LoadOptions | None = None, *, device: str = "auto", **kwargs: Any) -> LoadedModel:
     """The runtime model of `model`: an HF directory (float or GPTQ), a GGUF file or a hub id.
-    `dtype` auto is float32 on CPU and bfloat16 on CUDA; `packed` keeps GPTQ 4-bit layers packed and
-    lets a GGUF's weights keep their quantized form on CPU (memory about the file's size;
-    runtime/gguf_linear.py): always with `keep_quantized` or `compile`, otherwise when dequantized they
-    would not fit (runtime.weights.keep_gguf_quantized). `packed=False` dequantizes."""
+    `dtype` auto is float32 on CPU and bfloat16 on CUDA. A quantized model's weights (GGUF, GPTQ, AWQ,
+    compressed-tensors) stay quantized in memory with `keep_quantized=True` or `compile`, are dequantized
+    with `keep_quantized=False`, and by default stay quantized only where dequantized they would not fit
+    (runtime.weights.keep_quantized)."""
     o = LoadOptions.merged(options, kwargs)
-    return load_model(str(model), o.dtype, device, o.packed, gguf_quantized=o.gguf_quantized)
+    return load_model(str(model), o.dtype, device, quantized_in_memory(o.keep_quantized, o.compile))
 
 
 def generate(model: str | Path | LoadedModel, prompt: str, options: GenerateOptions | None = None, *,

@@ -3,9 +3,10 @@
 Float checkpoints load as they are. GGUF weights either stay in their quantized form (gguf_linear.py:
 memory is about the file's size; decode steps through compiled products or the int4 kernel, prefill
 through rebuilt tiles) or are dequantized into the runtime dtype (torch's dense matmuls, no compile),
-read one tensor at a time so that peak memory is the model plus one tensor. By default they stay
-quantized only when the dequantized model would not fit comfortably in the device's memory
-(`keep_gguf_quantized`); `gguf_quantized` forces either way, and `packed=False` always dequantizes.
+read one tensor at a time so that peak memory is the model plus one tensor. GPTQ, AWQ and
+compressed-tensors layers likewise stay packed (bit planes, torch's int4 kernel in a bfloat16 model) or
+are dequantized. One rule for both (`keep_quantized`): on CPU they stay quantized only when the
+dequantized model would not fit comfortably in memory; `quantized` forces either way.
 
 Every source, float, GGUF or packed GPTQ/AWQ, is assembled by one routine (`assemble`); which module a
 stored weight becomes is decided by runtime/linear.py's registry alone.
@@ -13,7 +14,6 @@ stored weight becomes is decided by runtime/linear.py's registry alone.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -55,14 +55,12 @@ class LoadedModel:
     device: torch.device
 
 
-def load_model(spec: str, dtype: str = "auto", device: str = "auto", packed: bool = True,
-               gguf_quantized: bool | None = None) -> LoadedModel:
-    """Open `spec` and build the runtime model on `device` in `dtype` (`packed`, `gguf_quantized`: see
-    build_decoder)."""
+def load_model(spec: str, dtype: str = "auto", device: str = "auto", quantized: bool | None = None) -> LoadedModel:
+    """Open `spec` and build the runtime model on `device` in `dtype` (`quantized`: see build_decoder)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     with open_model(spec) as source:
-        model = build_decoder(source, dt, dev, packed, gguf_quantized)
+        model = build_decoder(source, dt, dev, quantized)
         tok = source.tokenizer()
         return LoadedModel(model, tok, source.kind, str(source.path), dt, dev)
 
@@ -74,17 +72,16 @@ def check_readable(source: ModelSource) -> None:
         raise InputError(f"{source.path}: {method} checkpoints are not supported by the runtime")
 
 
-def build_decoder(source: ModelSource, dtype: torch.dtype, device: torch.device, packed: bool = True,
-                  gguf_quantized: bool | None = None) -> Decoder:
-    """Float tensors load in the dtype. With `packed`, a weight stored in a form the registry knows
-    (runtime/linear.py: GPTQ and AWQ layers, GGUF types) stays in it where a candidate fits (a bfloat16 model's
-    4-bit layers on the int4 kernel, the other GPTQ/AWQ layers as bit planes, GGUF in its type's fields)
-    and is dequantized otherwise; a GGUF model only when `gguf_quantized` says so (None: when
-    `keep_gguf_quantized`). On CPU, float linears take the row-major layout that streams weights fastest
-    (see row_major.py), and the weights then move into one contiguous block (arena.py)."""
+def build_decoder(source: ModelSource, dtype: torch.dtype, device: torch.device,
+                  quantized: bool | None = None) -> Decoder:
+    """Float tensors load in the dtype. A weight stored in a form the registry knows (runtime/linear.py:
+    GPTQ, AWQ and compressed-tensors layers, GGUF types) stays in it where `quantized` says so (None:
+    `keep_quantized` decides) and a candidate fits (a bfloat16 model's 4-bit layers on the int4 kernel, the
+    other packed layers as bit planes, GGUF in its type's fields); otherwise it is dequantized. On CPU, float
+    linears take the row-major layout that streams weights fastest (see row_major.py), and the weights then
+    move into one contiguous block (arena.py)."""
     check_readable(source)
-    keep = packed and (not isinstance(source, GGUFSource) or (
-        keep_gguf_quantized(source, dtype, device) if gguf_quantized is None else gguf_quantized))
+    keep = keep_quantized(source, dtype, device) if quantized is None else quantized
     model = assemble(source, dtype, device, keep)
     if device.type != "cpu":
         return model
@@ -94,23 +91,18 @@ def build_decoder(source: ModelSource, dtype: torch.dtype, device: torch.device,
     return model
 
 
-def gguf_quantized_for(keep_quantized: bool, compile: bool) -> bool | None:
-    """`build_decoder`'s `gguf_quantized` for a command's flags: True when asked, or when the decode step is
-    compiled (it pays on quantized weights, gguf_gemv's products traced in, not on float ones); None
-    otherwise, which leaves the choice to `keep_gguf_quantized`."""
-    return True if keep_quantized or compile else None
-
-
-def keep_gguf_quantized(source: GGUFSource, dtype: torch.dtype, device: torch.device) -> bool:
-    """Keep a GGUF model quantized in memory when dequantized it would take more than half the memory
-    available now on `device`; above that, quantized is what lets a 7B Q4 file run on a small machine
-    (or a 70B Q4 file on one GPU) at all.
-    Below it, dequantized weights start and prefill faster, which a short run feels most: SmolLM2
-    Q4_0 kept quantized decoded at 34-45 tok/s against 18.6-20.3, but prefilled 256 tokens in 0.7-1.0 s
-    against 0.45 s, and its first step compiled the products for 5 s (29 s with inductor's disk
-    cache cold). `generate --keep-quantized` or `--compile` keeps it quantized anyway."""
-    elements = sum(math.prod(info.shape) for info in source.tensors.values())
-    return elements * dtype.itemsize > device_memory(device) // 2
+def keep_quantized(source: ModelSource, dtype: torch.dtype, device: torch.device) -> bool:
+    """Keep a quantized model (GGUF, or a GPTQ/AWQ/compressed-tensors checkpoint) quantized in memory when
+    dequantized it would take more than half the memory available now on `device`: that is what lets a 7B
+    Q4 file run on a small machine (or a 70B one on one GPU) at all. Below it, on CPU, dequantized weights
+    start, prefill and (without --compile) decode at least as fast: SmolLM2 Q4_0 kept quantized decoded at
+    34-45 tok/s against 18.6-20.3 but prefilled 256 tokens in 0.7-1.0 s against 0.45 s and compiled its
+    products for 5 s at the first step (29 s with inductor's disk cache cold); SmolLM2 GPTQ w4 g128 as bit
+    planes generated 32 tokens at 9.1 tok/s (the compile inside), dequantized at 24.7. On CUDA a packed
+    checkpoint stays packed: its 4-bit layers are what tinygemm's int4 kernel reads."""
+    if device.type == "cuda" and isinstance(source, PackedDirSource):
+        return True
+    return source.parameter_count * dtype.itemsize > device_memory(device) // 2
 
 
 def device_memory(device: torch.device) -> int:

@@ -63,7 +63,7 @@ def test_prompt_text_reads_back_as_the_length(tiny_models):
 def test_the_compiled_engine_gives_the_eager_tokens(tiny_models):
     """`bench --compile`: generate --compile's step, compiled once when the first run builds its cache
     (outside the timing), gives the eager engine's tokens, and a second run reuses it."""
-    loaded = load_model(str(tiny_models("llama")), packed=True)
+    loaded = load_model(str(tiny_models("llama")), quantized=True)
     eager = LlmoptEngine(loaded)
     prompts = synthetic_prompts(1, 21, eager.vocab_size, seed=2, exclude=eager.excluded_ids())
     want = eager.run(prompts, 10).tokens
@@ -77,7 +77,7 @@ def test_the_compiled_engine_gives_the_eager_tokens(tiny_models):
 @pytest.mark.parametrize("family,tie", [("llama", False), ("qwen2", True)])
 def test_lockstep_batch_gives_batch_one_tokens(tiny_models, family, tie):
     path = tiny_models(family, tie)
-    loaded = load_model(str(path), packed=True)
+    loaded = load_model(str(path), quantized=True)
     engine = LlmoptEngine(loaded, prefill_chunk=16)  # several prefill chunks
     prompts = synthetic_prompts(4, 37, engine.vocab_size, seed=1, exclude=engine.excluded_ids())
     batched = engine.run(prompts, 12)

@@ -59,7 +59,7 @@ def test_stream_flag(llmopt_here, tiny_models, text):
     report = llmopt_here(*args, "--stream")
     assert report.returncode == 0 and "streamed, one block at a time" in report.stdout
     assert "streamed" not in llmopt_here(*args, "--no-stream").stdout
-    assert_clean_failure(llmopt_here(*args, "--stream", "--packed-int4"), "--stream runs each block dequantized")
+    assert_clean_failure(llmopt_here(*args, "--stream", "--keep-quantized"), "--stream runs each block dequantized")
 
 
 def test_missing_data_file(llmopt_here, tiny_models, tmp_path):

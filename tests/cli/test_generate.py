@@ -68,21 +68,21 @@ def test_chat_template_from_gguf_metadata(llmopt_here, smollm2_gguf):
 
 
 def test_keep_quantized_and_compile_ask_for_quantized_weights(llmopt_here, tiny_models, monkeypatch):
-    """What `generate` asks the loader for: the size rule by default, quantized weights with --keep-quantized
-    or --compile, and nothing quantized with --dequantize."""
+    """What `generate` asks the loader for: the size rule by default (None), quantized weights with
+    --keep-quantized or --compile, and nothing quantized with --dequantize (--compile too)."""
     from llmopt.errors import InputError
 
     api = importlib.import_module("llmopt.api.generate")
     asked = []
 
     def loaded(*args, **kwargs):
-        asked.append((kwargs["gguf_quantized"], args[3]))  # (and `packed`)
+        asked.append(args[3])
         raise InputError("loaded")
 
     monkeypatch.setattr(api, "load_model", loaded)
-    for flags in ([], ["--keep-quantized"], ["--compile"], ["--compile", "--dequantize"]):
+    for flags in ([], ["--keep-quantized"], ["--compile"], ["--dequantize"], ["--compile", "--dequantize"]):
         assert_clean_failure(llmopt_here("generate", tiny_models("llama"), "-p", "x", *flags), "loaded")
-    assert asked == [(None, True), (True, True), (True, True), (None, False)]
+    assert asked == [None, True, True, False, False]
 
 
 @pytest.mark.slow
@@ -91,7 +91,7 @@ def test_keep_quantized_holds_smollm2_quantized_with_the_same_tokens(llmopt_here
     on quantized weights) keeps the file's types in memory, and greedy decoding gives the same tokens."""
     api = importlib.import_module("llmopt.api.generate")  # (the package's `generate` is the function)
     asked, real = [], api.load_model
-    monkeypatch.setattr(api, "load_model", lambda *a, **k: asked.append(k["gguf_quantized"]) or real(*a, **k))
+    monkeypatch.setattr(api, "load_model", lambda *a, **k: asked.append(a[3]) or real(*a, **k))
     runs = [llmopt_here("generate", smollm2_gguf, "-p", "The capital of France is", "-n", "24", "--json", *flags)
             for flags in ([], ["--keep-quantized"])]
     assert all(r.returncode == 0 for r in runs), runs[-1].stderr
@@ -116,7 +116,6 @@ def test_keep_quantized_holds_smollm2_quantized_with_the_same_tokens(llmopt_here
     (["-p", "x", "--chat"], "no chat template"),
     (["-p", "x", "--max-tokens", "0"], "--max-tokens"),
     (["-p", "x", "--compile", "--max-tokens", "0"], "--max-tokens"),  # refused before any compiling
-    (["-p", "x", "--keep-quantized", "--dequantize"], "give one of --keep-quantized and --dequantize"),
 ])
 def test_bad_input_is_one_line_exit_2(llmopt_here, tiny_models, args, expect):
     assert_clean_failure(llmopt_here("generate", tiny_models("llama"), *args), expect)

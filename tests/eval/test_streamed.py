@@ -117,11 +117,11 @@ def test_automatic_choice(tiny_models, corpus, monkeypatch):
     run = lambda **k: api.evaluate(model, corpus, ctx=32, windows=2, ref=ref, **k)[2]["streamed"]  # noqa: E731
     monkeypatch.setattr("llmopt.runtime.weights.available_memory", lambda: weights * 4 // 3 - 8)
     assert run() is True and run(stream=False) is False
-    assert run(packed=True) is False  # packed layers are the loaded path's
+    assert run(keep_quantized=True) is False  # packed layers are the loaded path's
     monkeypatch.setattr("llmopt.runtime.weights.available_memory", lambda: weights * 4 // 3 + 8)
     assert run() is False and run(stream=True) is True
     with pytest.raises(OptionError, match="`stream` runs each block dequantized"):
-        run(stream=True, packed=True)
+        run(stream=True, keep_quantized=True)
 
 
 @pytest.mark.slow

@@ -69,10 +69,10 @@ def test_runtime_keeps_awq_packed(tiny_models, tmp_path, llmopt_here) -> None:
     from llmopt.runtime.int4 import PackedInt4Linear
     from llmopt.runtime.weights import load_model
 
-    dense = load_model(str(tmp_path / "awq"), "float32", "cpu", packed=False).model
+    dense = load_model(str(tmp_path / "awq"), "float32", "cpu", quantized=False).model
     ids = torch.tensor([[5, 17, 99, 3, 250, 41, 7, 8]])
     for dtype, cls, tolerance in (("float32", GroupIntLinear, 1e-3), ("bfloat16", PackedInt4Linear, 0.05)):
-        packed = load_model(str(tmp_path / "awq"), dtype, "cpu", packed=True).model
+        packed = load_model(str(tmp_path / "awq"), dtype, "cpu", quantized=True).model
         assert sum(isinstance(m, cls) for m in packed.modules()) == (14 if cls is PackedInt4Linear else 8)  # (stacked)
         with torch.no_grad():
             a, b = packed(ids).float(), dense(ids)

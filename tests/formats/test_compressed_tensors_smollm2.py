@@ -66,7 +66,7 @@ def test_transformers_greedy_tokens_are_llmopts(smol_ct, name):
     from llmopt.api.generate import generate
     from llmopt.runtime.weights import load_model
 
-    loaded = load_model(str(smol_ct[name]), "float32", "cpu")
+    loaded = load_model(str(smol_ct[name]), "float32", "cpu", quantized=True)
     ours = generate(loaded, PROMPT, max_tokens=32, ignore_eos=True, temperature=0).token_ids
     ids = torch.tensor([loaded.tokenizer.encode(PROMPT)])
     model = transformers.AutoModelForCausalLM.from_pretrained(smol_ct[name], dtype=torch.float32)

@@ -58,11 +58,11 @@ def test_checkpoint_stores_fused_linears_and_reads_back_the_parts(phi3, tmp_path
         logits = Decoder.from_source(q)(ids(16))
         assert torch.isfinite(logits).all()
         if fmt == "awq":  # the runtime keeps each part packed (rows of the fused packed linear)
-            exact = build_decoder(q, torch.float32, torch.device("cpu"), packed=True)  # bit planes, float32 math
+            exact = build_decoder(q, torch.float32, torch.device("cpu"), quantized=True)  # bit planes, float32 math
             assert sum(isinstance(m, GroupIntLinear) for m in exact.modules()) == 2 * 4  # q/k/v, gate/up stacked
             with torch.no_grad():
                 assert (exact(ids(16)) - logits).abs().max() <= 1e-3 * logits.abs().max()
-            runtime = build_decoder(q, torch.bfloat16, torch.device("cpu"), packed=True)
+            runtime = build_decoder(q, torch.bfloat16, torch.device("cpu"), quantized=True)
             assert sum(isinstance(m, PackedInt4Linear) for m in runtime.modules()) == 2 * 7
             with torch.no_grad():
                 diff = (runtime(ids(16)).float() - logits).abs().max()

@@ -114,7 +114,7 @@ def test_package_written_checkpoint_gives_transformers_logits(package_dirs, name
         expected = ref(IDS).logits
     with open_model(package_dirs[name]) as src:
         assert src.kind == "hf-compressed-tensors"
-        model = build_decoder(src, torch.float32, torch.device("cpu"))
+        model = build_decoder(src, torch.float32, torch.device("cpu"), quantized=True)
     assert any(isinstance(m, GroupIntLinear) for m in model.modules())
     with torch.no_grad():
         got = model(IDS)

@@ -89,9 +89,9 @@ def test_cuda_keeps_a_gguf_quantized_by_the_gpus_free_memory(monkeypatch, tmp_pa
     monkeypatch.setattr(weights, "available_memory", lambda: 1 << 40)  # the CPU's memory is not what counts
     with open_model(str(path)) as source:
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 20, 1 << 30))
-        assert weights.keep_gguf_quantized(source, torch.bfloat16, CUDA)
+        assert weights.keep_quantized(source, torch.bfloat16, CUDA)
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 40, 1 << 41))
-        assert not weights.keep_gguf_quantized(source, torch.bfloat16, CUDA)
+        assert not weights.keep_quantized(source, torch.bfloat16, CUDA)
 
 
 def test_cuda_kernel_input_holds_the_even_input_in_the_high_nibble():

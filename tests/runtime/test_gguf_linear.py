@@ -165,8 +165,8 @@ IDS = [f"{f}-{m}{'+' + o[0][1] if o else ''}" for f, m, o in CASES]
 @pytest.mark.parametrize(("family", "mix", "overrides"), CASES, ids=IDS)
 def test_quantized_in_memory_model_gives_the_dequantized_logits(wide, tmp_path, family, mix, overrides):
     path = _write(wide(family), tmp_path / "m.gguf", mix, overrides)
-    kept = load_model(str(path), "float32", "cpu", packed=True, gguf_quantized=True).model
-    dense = load_model(str(path), "float32", "cpu", packed=False).model
+    kept = load_model(str(path), "float32", "cpu", quantized=True).model
+    dense = load_model(str(path), "float32", "cpu", quantized=False).model
     table = kept.embed_tokens.table  # the embedding's quantized rows: the tied head's, else its own module
     layers = [m for m in kept.modules() if isinstance(m, QUANTIZED) and (m is not table or m is kept.lm_head)]
     a = kept.arch  # every block linear and the LM head stay quantized (q/k/v, gate/up fused where types match)
@@ -187,8 +187,8 @@ def test_bfloat16_model_takes_the_int4_kernel_within_its_rounding(wide, tmp_path
     """bfloat16 activations and scale/offset pairs: ~3 significant digits per product, so logits agree
     to about 2% of their range and the top token almost everywhere (as GPTQ's packed path)."""
     path = _write(wide("llama"), tmp_path / "m.gguf", mix)
-    kept = load_model(str(path), "bfloat16", "cpu", packed=True, gguf_quantized=True).model
-    dense = load_model(str(path), "float32", "cpu", packed=False).model
+    kept = load_model(str(path), "bfloat16", "cpu", quantized=True).model
+    dense = load_model(str(path), "float32", "cpu", quantized=False).model
     assert sum(isinstance(m, PackedInt4Linear) for m in kept.modules()) >= 8
     ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -228,7 +228,7 @@ def test_by_default_a_gguf_stays_quantized_only_when_dequantized_it_would_not_fi
     monkeypatch.setattr(weights, "available_memory", lambda: 1 << 20)
     tight = load_model(str(path), "float32", "cpu").model
     assert sum(isinstance(m, QUANTIZED) for m in tight.modules()) == 2 * 4 + 2  # q/k/v, gate/up fused; head, embedding
-    assert not any(isinstance(m, QUANTIZED) for m in load_model(str(path), "float32", "cpu", packed=False).model.modules())
+    assert not any(isinstance(m, QUANTIZED) for m in load_model(str(path), "float32", "cpu", quantized=False).model.modules())
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K,
@@ -332,7 +332,7 @@ def test_compiled_decode_step_of_a_model_kept_quantized_gives_eager_tokens(wide,
     from llmopt.runtime.generate import Generator
 
     path = _write(wide("llama"), tmp_path / "m.gguf", mix, overrides)
-    kept = load_model(str(path), "float32", "cpu", packed=True, gguf_quantized=True).model
+    kept = load_model(str(path), "float32", "cpu", quantized=True).model
     assert isinstance(kept.embed_tokens, QuantizedEmbedding)
     assert {type(m) for m in kept.modules()} >= held
     prompt = [5, 17, 230, 9]

@@ -43,8 +43,8 @@ def _held_bytes(model: torch.nn.Module) -> int:
                                           ("Q5_K_M", NibbleLinear), ("Q2_K", KLowLinear), ("F16", F16Linear)])
 def test_greedy_64_tokens_equal_the_dequantized_model(smollm2_files, mix, cls):
     path = smollm2_files(mix)
-    kept = load_model(str(path), "float32", "cpu", packed=True, gguf_quantized=True)
-    dense = load_model(str(path), "float32", "cpu", packed=False)
+    kept = load_model(str(path), "float32", "cpu", quantized=True)
+    dense = load_model(str(path), "float32", "cpu", quantized=False)
     assert any(isinstance(m, cls) for m in kept.model.modules())
     assert _held_bytes(kept.model) < (0.51 if mix == "F16" else 0.5) * _held_bytes(dense.model)  # F16: 2 bytes, not 4
     a = generate(kept, PROMPT, max_tokens=64, ignore_eos=True).token_ids
@@ -76,8 +76,8 @@ def test_every_lattice_and_code_type_decodes_the_dequantized_tokens(smollm2_gguf
         plan = plan_gguf(src, "Q8_0", has_imatrix=True, overrides=LOW_BIT)
         flat = {t.gguf_name: torch.ones(t.shape[-1]) for t in plan.tensors if len(t.shape) == 2}
         write_gguf(src, out, plan, importance=flat)
-    kept = load_model(str(out), "float32", "cpu", packed=True, gguf_quantized=True)
-    dense = load_model(str(out), "float32", "cpu", packed=False)
+    kept = load_model(str(out), "float32", "cpu", quantized=True)
+    dense = load_model(str(out), "float32", "cpu", quantized=False)
     held = {m.kind for m in kept.model.modules() if isinstance(m, (LatticeLinear, CodeLinear))}
     assert held == {*LOW_BIT_DOWN, "MXFP4", "NVFP4", "Q2_0"} - {"IQ4_XS"}
     iq4 = {m.per for m in kept.model.modules() if isinstance(m, IQ4Linear)}

@@ -27,8 +27,8 @@ def gptq_dirs(tiny_models, tmp_path_factory):
 
 
 def test_bfloat16_model_takes_the_int4_kernel_within_its_rounding(gptq_dirs):
-    packed = load_model(str(gptq_dirs["w4g32"]), "bfloat16", "cpu", packed=True).model
-    dense = load_model(str(gptq_dirs["w4g32"]), "float32", "cpu", packed=False).model
+    packed = load_model(str(gptq_dirs["w4g32"]), "bfloat16", "cpu", quantized=True).model
+    dense = load_model(str(gptq_dirs["w4g32"]), "float32", "cpu", quantized=False).model
     assert sum(isinstance(m, PackedInt4Linear) for m in packed.modules()) == 2 * 7  # every block linear
     ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -40,7 +40,7 @@ def test_bfloat16_model_takes_the_int4_kernel_within_its_rounding(gptq_dirs):
 def test_dequantized_gptq_is_the_source_weights(gptq_dirs):
     """The runtime's GPTQ model dequantized (`--dequantize`) holds exactly the weights the GPTQ source
     dequantizes."""
-    model = load_model(str(gptq_dirs["w3"]), "float32", "cpu", packed=False).model
+    model = load_model(str(gptq_dirs["w3"]), "float32", "cpu", quantized=False).model
     with open_model(gptq_dirs["w3"]) as src:
         ref = Decoder.from_source(src)
     ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(1))
@@ -54,8 +54,8 @@ def test_float32_gptq_stays_in_bit_planes_with_the_dequantized_logits(gptq_dirs,
     """3 bits, and 4 in a float32 model (the int4 kernel would round activations to bfloat16): every block
     linear held as bit planes, the logits the dequantized model's within float32 rounding of the summation
     order."""
-    kept = load_model(str(gptq_dirs[name]), "float32", "cpu").model
-    dense = load_model(str(gptq_dirs[name]), "float32", "cpu", packed=False).model
+    kept = load_model(str(gptq_dirs[name]), "float32", "cpu", quantized=True).model
+    dense = load_model(str(gptq_dirs[name]), "float32", "cpu", quantized=False).model
     a = kept.arch  # q/k/v and gate/up stacked
     block_rows = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim + 2 * a.hidden_size + 2 * a.intermediate_size
     assert sum(m.out_features for m in kept.modules() if isinstance(m, GroupIntLinear)) == a.num_layers * block_rows
@@ -65,21 +65,37 @@ def test_float32_gptq_stays_in_bit_planes_with_the_dequantized_logits(gptq_dirs,
     assert (a - b).abs().max() <= 1e-3 * b.abs().max()
 
 
+def test_a_gptq_model_is_dequantized_where_it_fits_and_kept_packed_where_not(gptq_dirs, monkeypatch):
+    """The default (no --keep-quantized/--dequantize): on CPU, dequantized while the float model takes at most
+    half the available memory (the faster path there), packed above it, by the same rule as a GGUF."""
+    from llmopt.runtime import weights
+
+    path = str(gptq_dirs["w4g32"])
+    with open_model(path) as src:
+        dequantized_bytes = src.parameter_count * 4
+    monkeypatch.setattr(weights, "available_memory", lambda: 2 * dequantized_bytes)
+    roomy = load_model(path, "float32", "cpu").model
+    assert not any(isinstance(m, (PackedInt4Linear, GroupIntLinear)) for m in roomy.modules())
+    monkeypatch.setattr(weights, "available_memory", lambda: 2 * dequantized_bytes - 2)
+    tight = load_model(path, "float32", "cpu").model
+    assert sum(isinstance(m, GroupIntLinear) for m in tight.modules()) == 2 * 4  # q/k/v and gate/up stacked
+
+
 def test_the_registry_alone_decides_what_a_packed_layer_becomes(gptq_dirs, monkeypatch):
     """weights.py asks runtime/linear.py's registry for every packed layer: with GPTQ's entry left only its
     bit planes, a bfloat16 model that took the int4 kernel holds bit planes; with no entry, it is dequantized
-    (the logits of `packed=False`, exactly)."""
+    (the logits of `quantized=False`, exactly)."""
     from llmopt.runtime import linear
 
     path = str(gptq_dirs["w4g32"])
     _, planes = linear.REGISTRY["gptq"]
     monkeypatch.setitem(linear.REGISTRY, "gptq", (planes,))
-    model = load_model(path, "bfloat16", "cpu").model
+    model = load_model(path, "bfloat16", "cpu", quantized=True).model
     assert not any(isinstance(m, PackedInt4Linear) for m in model.modules())
     assert sum(isinstance(m, GroupIntLinear) for m in model.modules()) == 2 * 4  # q/k/v and gate/up stacked
     monkeypatch.delitem(linear.REGISTRY, "gptq")
-    model = load_model(path, "float32", "cpu").model
-    dense = load_model(path, "float32", "cpu", packed=False).model
+    model = load_model(path, "float32", "cpu", quantized=True).model
+    dense = load_model(path, "float32", "cpu", quantized=False).model
     assert not any(isinstance(m, (PackedInt4Linear, GroupIntLinear)) for m in model.modules())
     ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -112,8 +128,8 @@ def test_smollm2_gptq_in_bit_planes_decodes_the_dequantized_tokens(smollm2_hf, t
     out = tmp_path / f"w{bits}"
     assert main(["quantize", str(smollm2_hf), "-o", str(out), "--method", "rtn", "--bits", str(bits),
                  "--group-size", "64", "--json"]) == 0
-    kept = load_model(str(out), "float32", "cpu")
-    dense = load_model(str(out), "float32", "cpu", packed=False)
+    kept = load_model(str(out), "float32", "cpu", quantized=True)
+    dense = load_model(str(out), "float32", "cpu", quantized=False)
     planes = [m for m in kept.model.modules() if isinstance(m, GroupIntLinear)]
     assert len(planes) == 30 * 4  # per layer: q/k/v stacked, o, gate/up stacked, down
     held = sum(b.numel() * b.element_size() for m in planes for b in m.buffers())
@@ -138,8 +154,8 @@ def test_act_order_gptq_stays_in_bit_planes_with_the_dequantized_logits(tiny_mod
                  "--group-size", "32", "--act-order", "--calib", str(calib_txt), "--nsamples", "4",
                  "--seqlen", "32", "--json"]) == 0
     assert json.loads((out / "config.json").read_text())["quantization_config"]["desc_act"] is True
-    kept = load_model(str(out), "float32", "cpu").model
-    dense = load_model(str(out), "float32", "cpu", packed=False).model
+    kept = load_model(str(out), "float32", "cpu", quantized=True).model
+    dense = load_model(str(out), "float32", "cpu", quantized=False).model
     planes = [m for m in kept.modules() if isinstance(m, GroupIntLinear)]
     assert len(planes) >= 2 * 4 and all(m.order is not None for m in planes)
     ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(0))

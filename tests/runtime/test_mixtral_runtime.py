@@ -58,7 +58,7 @@ def test_experts_kept_quantized_read_their_rows_of_the_stacks(mixtral, tmp_path,
     x = ids(30)
     with open_model(out) as src, torch.no_grad():
         want = Decoder.from_source(src)(x)
-    monkeypatch.setattr(weights, "keep_gguf_quantized", lambda source, dtype, device: True)
+    monkeypatch.setattr(weights, "keep_quantized", lambda source, dtype, device: True)
     runtime = load_model(str(out), "float32", "cpu")
     assert type(runtime.model.layers[1].block_sparse_moe.experts[5].w2).__name__ != "RowMajorLinear"
     with torch.no_grad():

@@ -202,7 +202,7 @@ def test_smollm2_greedy_text_identical_with_the_searched_skip_set(smollm2_gguf):
     search predicts no speed-up on this machine) gives plain decoding's tokens exactly."""
     from llmopt.runtime.weights import load_model
 
-    loaded = load_model(str(smollm2_gguf), "float32", "cpu", packed=False)
+    loaded = load_model(str(smollm2_gguf), "float32", "cpu", quantized=False)
     model, tok = loaded.model, loaded.tokenizer
     ids = tok.encode(open("/work/shared/data/wikitext-2/test.txt").read()[:4000])[:128]
     choice = search_skip_layers(model, ids, num_draft=3)

@@ -18,7 +18,7 @@ from typing import Any
 
 from llmopt.api.bench.stats import distribution, int_list
 from llmopt.errors import InputError, OptionError
-from llmopt.options import BenchOptions
+from llmopt.options import BenchOptions, quantized_in_memory
 
 ENGINES = ("llmopt", "llama.cpp")
 MAX_BATCH = 4096
@@ -77,16 +77,16 @@ def bench(model: str | Path | None = None, options: BenchOptions | None = None, 
     or the server at `endpoint` over every prompt length x concurrency (`requests` requests each,
     `model` or `served_model`, when a path, giving the tokenizer). The options (`BenchOptions`, or
     keywords; declared in llmopt/options.py): `bandwidth`: GB/s or a catalog GPU name; measured on the
-    device when omitted. `keep_quantized`: the llmopt engine keeps a GGUF's weights quantized on CPU
-    even where dequantized they would fit. `compile`: it decodes with `generate --compile`'s step
-    (batch 1; it keeps a GGUF quantized on CPU, as there). With `plot`, a PNG of the sweep."""
+    device when omitted. `keep_quantized`: the llmopt engine keeps a quantized model's weights
+    quantized (True) or dequantizes them (False); None: as `generate` does by default. `compile`: it decodes
+    with `generate --compile`'s step (batch 1; it keeps quantized weights quantized, as there). With `plot`, a PNG of the sweep."""
     o = BenchOptions.merged(options, kwargs)
     lengths = int_list(o.prompt_len, "prompt_len")
     if plot is not None:
         from llmopt.eval.plotting import require_matplotlib
 
         require_matplotlib()
-    for flag, given in (("keep_quantized", o.keep_quantized), ("compile", o.compile)):
+    for flag, given in (("keep_quantized", o.keep_quantized is not None), ("compile", o.compile)):
         if given and (o.endpoint is not None or o.engine not in (None, "llmopt")):
             raise OptionError(f"<{flag}> is for the llmopt engine, which holds the weights itself")
     if o.endpoint is not None:
@@ -134,7 +134,7 @@ def _bench_in_process_checked(model: str | Path | None, o: BenchOptions, lengths
 def _bench_in_process(model: str, engine_name: str, lengths: list[int], gen: int, batches: list[int], seed: int,
                       dtype: str, device: str, threads: int, bandwidth: str | float | None, warmup: bool,
                       on_row: Callable[[BenchRow], None] | None,
-                      keep_quantized: bool, compile: bool) -> BenchReport:  # fmt: skip
+                      keep_quantized: bool | None, compile: bool) -> BenchReport:  # fmt: skip
     from llmopt.api.bench.bandwidth import resolve_bandwidth
     from llmopt.api.bench.prompts import synthetic_prompts
 
@@ -179,7 +179,7 @@ def trace_row(engine: Any, trace: Any, length: int, gen: int, bandwidth_gbs: flo
     return row
 
 
-def _make_engine(model: str, name: str, dtype: str, device: str, threads: int, keep_quantized: bool,
+def _make_engine(model: str, name: str, dtype: str, device: str, threads: int, keep_quantized: bool | None,
                  compile: bool) -> Any:  # fmt: skip
     if name == "llama.cpp":
         from llmopt.api.bench.llama_cpp_engine import LlamaCppEngine
@@ -188,10 +188,10 @@ def _make_engine(model: str, name: str, dtype: str, device: str, threads: int, k
             raise OptionError("<engine> llama.cpp runs the GGUF's own types on the CPU: leave <dtype> and <device> unset")
         return LlamaCppEngine(model, threads)
     from llmopt.api.bench.llmopt_engine import LlmoptEngine
-    from llmopt.runtime.weights import gguf_quantized_for, load_model, set_threads
+    from llmopt.runtime.weights import load_model, set_threads
 
     set_threads(threads)
-    loaded = load_model(model, dtype, device, packed=True, gguf_quantized=gguf_quantized_for(keep_quantized, compile))
+    loaded = load_model(model, dtype, device, quantized_in_memory(keep_quantized, compile))
     return LlmoptEngine(loaded, compile=compile)
 
 

@@ -212,7 +212,7 @@ def _score(plan: RunPlan, o: OutputPlan, device: str, reference: list[LoadedMode
     assert ev is not None
     if not reference:  # loaded once for every output, unless it would not fit: then each score streams it
         big = streams([o.target], plan.model_path, EvalOptions.of(ctx=ev.ctx, windows=ev.windows, stream=ev.stream), device)
-        reference.append(plan.model_path if big else load_model(str(plan.model_path), "auto", device, False))
+        reference.append(plan.model_path if big else load_model(str(plan.model_path), "auto", device, quantized=False))
     g = o.spec.gates
     _, gates, summary = evaluate(o.target, plan.recipe.resolve(ev.data), ref=reference[0], ctx=ev.ctx, windows=ev.windows, stream=ev.stream,
                                  max_ppl_increase=g.max_ppl_increase, max_kld=g.max_kld,

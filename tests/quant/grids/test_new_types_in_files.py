@@ -67,8 +67,8 @@ def test_runtime_keeps_iq1_quantized_with_the_dequantized_logits(iq1_file) -> No
     from llmopt.runtime.weights import load_model
 
     _, path, _ = iq1_file
-    kept = load_model(str(path), "float32", "cpu", packed=True, gguf_quantized=True).model
-    dense = load_model(str(path), "float32", "cpu", packed=False).model
+    kept = load_model(str(path), "float32", "cpu", quantized=True).model
+    dense = load_model(str(path), "float32", "cpu", quantized=False).model
     held = [m for m in kept.modules() if isinstance(m, LatticeLinear)]
     assert {m.qtype.name for m in held} >= {"IQ1_S", "IQ1_M"}
     ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(0))
@@ -109,7 +109,7 @@ def test_low_bit_file_holds_llama_cpps_values_and_our_readers_read_them(tmp_path
     assert np.array_equal(theirs, quantize(type_name, w).dequantize().numpy())
     with open_model(path) as written:
         assert np.array_equal(written.load("model.layers.1.mlp.down_proj.weight").numpy(), theirs)
-    model = load_model(str(path), "float32", "cpu", gguf_quantized=True).model
+    model = load_model(str(path), "float32", "cpu", quantized=True).model
     (layer,) = [m for n, m in model.named_modules()
                 if "layers.1." in n and getattr(getattr(m, "qtype", None), "name", None) == type_name]
     x = torch.randn(3, w.shape[1])

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from llmopt.errors import OptionError
-from llmopt.names import CALIB_DTYPES, CHECKPOINT_FORMATS, FLOAT_DTYPES, METHODS, SCHEMES
+from llmopt.names import CALIB_DTYPES, CALIBRATED_SCHEMES, CHECKPOINT_FORMATS, FLOAT_DTYPES, METHODS, SCHEMES
 
 # An options class: an immutable value with no generated __eq__ or __repr__ (there are twenty such classes
 # and every command line defines them all: each generated method is start-up time).
@@ -244,9 +244,11 @@ class QuantizeOptions(CalibrationOptions, RoundingOptions, AutomixOptions, Shard
                              recipe="format", show_default=False)  # fmt: skip
     quantize_head: bool = option(False, "Quantize the LM head too (embeddings and norms never are).")
     scheme: str | None = option(None, "fp8-dynamic: float8 e4m3 weights with a float32 scale per output channel, "
-                                "activations quantized per token at run time (vLLM's FP8 W8A8); nvfp4a16: FP4 (e2m1) "
+                                "activations quantized per token at run time (vLLM's FP8 W8A8); fp8: the same weights, "
+                                "activations with one static scale per linear from --calib; nvfp4a16: FP4 (e2m1) "
                                 "weights in groups of 16 with float8 scales under a per-tensor scale, activations "
-                                "unquantized. Rounds to nearest, written as compressed-tensors (instead of "
+                                "unquantized; nvfp4: the same weights, activations NVFP4 under a global scale from "
+                                "--calib (W4A4). Rounds to nearest, written as compressed-tensors (instead of "
                                 "--bits/--group-size/--sym).",
                                 choices=SCHEMES, show_default=False)  # fmt: skip
 
@@ -254,6 +256,12 @@ class QuantizeOptions(CalibrationOptions, RoundingOptions, AutomixOptions, Shard
     def method_name(self) -> str:
         """The method: as given, else the format's own (awq for an AWQ checkpoint; rtn for a scheme), else gptq."""
         return self.method or ("awq" if self.fmt == "awq" else "rtn" if self.scheme else "gptq")
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether quantize reads calibration data: a calibrated method, or a scheme whose activation scales are
+        static (measured on the calibration tokens)."""
+        return self.method_name != "rtn" or self.scheme in CALIBRATED_SCHEMES
 
     @property
     def format_name(self) -> str:

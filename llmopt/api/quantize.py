@@ -83,7 +83,7 @@ def prepare(options: QuantizeOptions, device: torch.device) -> QuantizeJob:
     """Every rule between `quantize`'s options, and between them and the format, checked before any
     model is read: the API, the CLI (through it) and a recipe's preflight all call this."""
     method, fmt = options.method_name, options.format_name
-    calibrated = method != "rtn"
+    calibrated = options.calibrated
     if not calibrated and options.calib_dtype != "auto":
         raise OptionError("<calib_dtype> applies to calibrated methods; rtn runs no calibration forward")
     if not calibrated and options.calib is not None:

@@ -37,6 +37,7 @@ from llmopt.model.compressed_tensors import FLOAT, NVFP4_PACKED, PACKED, int_par
 from llmopt.model.packing import pack_fp4_pairs, pack_rows
 from llmopt.quant.grids import fp8, nvfp4
 from llmopt.quant.pipeline import HEAD, QuantizeSpec
+from llmopt.quant.rtn import INPUT_ABSMAX
 from llmopt.quantized_tensor import QuantizedTensor
 
 QUANT_METHOD = "compressed-tensors"
@@ -59,19 +60,40 @@ def float_grid(spec: QuantizeSpec) -> str | None:
     return name if name in (fp8.NAME, nvfp4.NVFP4.name) else None
 
 
-def float_scheme(grid: str) -> dict[str, Any]:
+def static_inputs(spec: QuantizeSpec) -> bool:
+    """Whether the spec measured each linear's input range for static activation scales (`--scheme fp8`, `nvfp4`)."""
+    return bool(getattr(spec.method, "observe_inputs", False))
+
+
+def float_scheme(grid: str, static: bool) -> dict[str, Any]:
     """A float scheme's config group as compressed-tensors' presets state it. FP8 (FP8_DYNAMIC): float8 weights
-    per channel, static; activations float8 per token, dynamic. NVFP4A16: FP4 weights in groups of 16 with e4m3
-    scales under a per-tensor global scale ("tensor_group"); activations unquantized."""
+    per channel, static; activations float8 per token, dynamic, or (`static`) per tensor with a calibrated scale
+    (FP8's activations; its weights are per tensor, ours stay per channel). NVFP4A16: FP4 weights in groups of 16
+    with e4m3 scales under a per-tensor global scale ("tensor_group"); activations unquantized, or (`static`,
+    NVFP4) FP4 per 16 at run time under a calibrated global scale."""
     if grid == nvfp4.NVFP4.name:
         weights = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": nvfp4.NVFP4.group_size,
                    "strategy": "tensor_group", "block_structure": None, "dynamic": False, "observer": "minmax",
                    "observer_kwargs": {}, "scale_dtype": "torch.float8_e4m3fn"}  # fmt: skip
-        return {"weights": weights, "input_activations": None, "output_activations": None, "format": NVFP4_PACKED}
+        acts = {**weights, "dynamic": "local", "observer": "static_minmax"} if static else None
+        return {"weights": weights, "input_activations": acts, "output_activations": None, "format": NVFP4_PACKED}
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "channel",
                "block_structure": None, "dynamic": False, "observer": "minmax", "observer_kwargs": {}}  # fmt: skip
-    acts = {**weights, "strategy": "token", "dynamic": True, "observer": None}
+    acts = {**weights, "strategy": "tensor", "observer": "static_minmax"} if static else {**weights, "strategy": "token", "dynamic": True, "observer": None}
     return {"weights": weights, "input_activations": acts, "output_activations": None, "format": FLOAT}
+
+
+INPUT_SCALES = {fp8.NAME: "input_scale", nvfp4.NVFP4.name: "input_global_scale"}  # a static activation scale's part
+
+
+def input_scale(grid: str, absmax: torch.Tensor) -> torch.Tensor:
+    """The static activation scale of an input whose max |x| is `absmax`, float32 [1], as compressed-tensors'
+    observers make it: FP8 absmax / 448 (float32's eps for 0); NVFP4's global scale 448·6 / absmax."""
+    absmax = one_per_tensor(absmax, "input range")
+    if grid == nvfp4.NVFP4.name:
+        return nvfp4.global_scale(absmax).reshape(1)
+    scale = absmax / fp8.FP8_MAX
+    return torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
 
 
 def targets(modules: list[str]) -> str:
@@ -105,12 +127,12 @@ def weight_args(bits: int, group_size: int, sym: bool, actorder: str | None) -> 
     return args
 
 
-def one_global_scale(g: torch.Tensor) -> torch.Tensor:
-    """The float32 [1] global scale of a tensor (linears stored as one, as Phi-3's qkv_proj, repeat theirs by rows:
-    the grid gave the stage's linears one)."""
+def one_per_tensor(g: torch.Tensor, what: str) -> torch.Tensor:
+    """A per-tensor value as float32 [1] (linears stored as one, as Phi-3's qkv_proj, repeat theirs by rows: the
+    stage's linears share one)."""
     g = g.to(torch.float32).reshape(-1)
     if not bool((g == g[0]).all()):
-        raise ValueError("linears stored as one need one NVFP4 global scale")
+        raise ValueError(f"linears stored as one need one {what}")
     return g[:1].contiguous()
 
 
@@ -133,13 +155,14 @@ class CompressedTensorsLayout:
     def parts(self, out_f: int, in_f: int, bits: int, group_size: int,
               spec: QuantizeSpec | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:  # fmt: skip
         grid = float_grid(spec) if spec is not None else None
-        if grid == fp8.NAME:
-            return [("weight", (out_f, in_f), torch.float8_e4m3fn), ("weight_scale", (out_f, 1), torch.float32)]
-        if grid == nvfp4.NVFP4.name:
+        if grid:
+            inputs = [(INPUT_SCALES[grid], (1,), torch.float32)] if static_inputs(spec) else []
+            if grid == fp8.NAME:
+                return [("weight", (out_f, in_f), torch.float8_e4m3fn), ("weight_scale", (out_f, 1), torch.float32), *inputs]
+            shapes = nvfp4_part_shapes(out_f, in_f)
             dtypes = {"weight_packed": torch.uint8, "weight_scale": torch.float8_e4m3fn,
                       "weight_global_scale": torch.float32}  # fmt: skip
-            shapes = nvfp4_part_shapes(out_f, in_f)
-            return [(part, shapes[part], dtype) for part, dtype in dtypes.items()]
+            return [(part, shapes[part], dtype) for part, dtype in dtypes.items()] + inputs
         if group_size > 0 and in_f % group_size:
             raise OptionError(f"<group_size> {group_size} does not divide a linear's {in_f} inputs: compressed-tensors "
                               f"readers (the package, transformers, vLLM) take whole groups only; use a divisor of "
@@ -154,12 +177,14 @@ class CompressedTensorsLayout:
     def tensors(self, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
         """One quantized linear as pack-quantized tensors; per-tensor parameters repeat on every row."""
         out_f, in_f = qt.shape
-        if qt.grid == fp8.NAME:  # exact: scale·2^9 undoes the code's step (quant/grids/fp8.py)
-            return {"weight": fp8.values_of(qt.codes), "weight_scale": (qt.scales.to(torch.float32) * fp8.STEP).contiguous()}
-        if qt.grid == nvfp4.NVFP4.name:  # the e4m3 group scales and the global scale as the grid chose them
-            return {"weight_packed": pack_fp4_pairs(qt.codes),
+        if qt.grid in INPUT_SCALES:
+            inputs = {INPUT_SCALES[qt.grid]: input_scale(qt.grid, qt.aux[INPUT_ABSMAX])} if INPUT_ABSMAX in qt.aux else {}
+            if qt.grid == fp8.NAME:  # exact: scale·2^9 undoes the code's step (quant/grids/fp8.py)
+                return {"weight": fp8.values_of(qt.codes), "weight_scale": (qt.scales.to(torch.float32) * fp8.STEP).contiguous(),
+                        **inputs}  # fmt: skip
+            return {"weight_packed": pack_fp4_pairs(qt.codes),  # the e4m3 group scales and global scale as chosen
                     "weight_scale": qt.aux["group_scale"].to(torch.float8_e4m3fn).contiguous(),
-                    "weight_global_scale": one_global_scale(qt.aux["global_scale"])}  # fmt: skip
+                    "weight_global_scale": one_per_tensor(qt.aux["global_scale"], "NVFP4 global scale"), **inputs}  # fmt: skip
         if qt.g_idx is not None and not torch.equal(qt.group_index(), QuantizedTensor(
                 qt.codes, qt.scales, qt.bits, qt.group_size).group_index()):  # fmt: skip
             raise ValueError("compressed-tensors checkpoints keep no g_idx: groups must be contiguous")
@@ -177,7 +202,7 @@ class CompressedTensorsLayout:
         its setting; without it, every Linear but the head in one group)."""
         grid = float_grid(spec)
         if grid:
-            scheme = float_scheme(grid)
+            scheme = float_scheme(grid, static_inputs(spec))
             groups = {"group_0": {"targets": [targets(list(modules))] if modules else ["Linear"], **scheme}}
             return self._config(spec, groups, scheme["format"])
         act_order, static = _act_order(spec)

@@ -7,7 +7,8 @@ them: exact name, then pattern, then class. This reader takes integer weight-onl
 `pack-quantized` (W4A16, W8A16, asymmetric or not, group or channel), FP8 weights stored
 `float-quantized` per channel, with activations unquantized or quantized per token at run
 time (FP8_DYNAMIC; llmopt's runtime keeps activations in its own dtype, so it runs such a model as W8A16),
-and NVFP4 weights stored `nvfp4-pack-quantized` (FP4 in groups of 16 under e4m3 scales and a per-tensor
+FP8 with static per-tensor activation scales (`input_scale`, FP8's preset), and NVFP4 weights stored
+`nvfp4-pack-quantized` (FP4 in groups of 16 under e4m3 scales and a per-tensor
 global scale, strategy "tensor_group"), with activations unquantized (NVFP4A16) or as NVFP4's own
 (FP4 "tensor_group", dynamic "local": run in llmopt as W4A16); anything else is one line.
 Used by `CompressedTensorsDirSource` (model/quantized_dir.py).
@@ -54,6 +55,7 @@ class WeightScheme:
     sym: bool
     kind: str = "int"  # "float": FP8 e4m3 weights (`weight`, `weight_scale`) or NVFP4 (4 bits)
     fmt: str = PACKED  # the storage format
+    static_inputs: bool = False  # a stored activation scale (`input_scale`, `input_global_scale`) per module
 
     @property
     def nvfp4(self) -> bool:
@@ -69,8 +71,14 @@ def _activations_held(fmt: str, acts: object) -> bool:
         return False
     key = (acts.get("type"), acts.get("num_bits"), acts.get("strategy"), acts.get("dynamic"))
     if fmt == FLOAT:
-        return key == ("float", 8, "token", True)
+        return key in (("float", 8, "token", True), ("float", 8, "tensor", False))
     return fmt == NVFP4_PACKED and key == ("float", 4, "tensor_group", "local")
+
+
+def _static_inputs(acts: object) -> bool:
+    """Whether the activations' scale is stored (calibrated): FP8's static per-tensor `input_scale`, NVFP4's
+    `input_global_scale` (its groups' scales are made at run time, "local", under that one)."""
+    return isinstance(acts, dict) and acts.get("dynamic") in (False, "local")
 
 
 @dataclass(frozen=True)
@@ -93,7 +101,7 @@ def _scheme(path: Path, name: str, group: object, top_format: object) -> WeightS
         raise InputError(f"{where}: no weights scheme (llmopt reads weight schemes)")
     if group.get("output_activations") or not _activations_held(fmt, group.get("input_activations")):
         raise InputError(f"{where}: quantized activations are not supported (llmopt reads weight-only schemes, "
-                         f"FP8 with dynamic per-token activations and NVFP4's own)")  # fmt: skip
+                         f"FP8 with dynamic per-token or static per-tensor activations and NVFP4's own)")  # fmt: skip
     kind, strategy, actorder = w.get("type", "int"), w.get("strategy"), w.get("actorder")
     try:
         bits = int(w.get("num_bits", 8))
@@ -112,7 +120,7 @@ def _scheme(path: Path, name: str, group: object, top_format: object) -> WeightS
     if strategy in ("group", "tensor_group") and group_size <= 0:
         raise InputError(f"{where}: strategy {strategy} needs a positive group_size, got {group_size}")
     group_size = group_size if strategy in ("group", "tensor_group") else -1
-    return WeightScheme(bits, group_size, bool(w.get("symmetric", True)), kind, fmt)
+    return WeightScheme(bits, group_size, bool(w.get("symmetric", True)), kind, fmt, _static_inputs(group.get("input_activations")))
 
 
 def groups(path: Path, q: dict) -> list[Group]:

@@ -236,19 +236,22 @@ class CompressedTensorsDirSource(PackedDirSource):
     method = "compressed-tensors"
     label = "compressed-tensors"
     int_parts = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
-    nvfp4_parts = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
-    parts = (*int_parts, "weight_global_scale", "input_global_scale")
-    optional = ("weight_zero_point", "weight_g_idx", "input_global_scale")
-    vectors = ("weight_g_idx", "weight_shape", "weight_global_scale", "input_global_scale")
+    nvfp4_parts = ("weight_packed", "weight_scale", "weight_global_scale")
+    input_parts = {ct.FLOAT: "input_scale", ct.NVFP4_PACKED: "input_global_scale"}  # static activation scales
+    parts = (*int_parts, "weight_global_scale", *input_parts.values())
+    optional = ("weight_zero_point", "weight_g_idx")
+    vectors = ("weight_g_idx", "weight_shape", "weight_global_scale", *input_parts.values())
     float_dtypes = (*HFDirSource.float_dtypes, "F8_E4M3")  # float-quantized weights, read with their scales
 
     def marks_module(self, part: str, info: TensorInfo) -> bool:
         return part == "weight_packed" or part == "weight" and info.dtype == "F8_E4M3"
 
     def module_parts(self, module: str) -> tuple[str, ...]:
-        if self._fp8(module):
-            return ("weight", "weight_scale")
-        return self.nvfp4_parts if self.scheme(module).nvfp4 else self.int_parts
+        """Its stored tensors; a static activation scale is required where the scheme has one (llmopt's runtime
+        keeps activations in its own dtype, but a file without it is not what its config says)."""
+        s = self.scheme(module)
+        weights = ("weight", "weight_scale") if self._fp8(module) else self.nvfp4_parts if s.nvfp4 else self.int_parts
+        return (*weights, self.input_parts[s.fmt]) if s.static_inputs else weights
 
     def module_kind(self, module: str) -> str:
         if self._fp8(module):
@@ -288,6 +291,7 @@ class CompressedTensorsDirSource(PackedDirSource):
             if scale != (out_f, 1):
                 raise InputError(f"{self.path}: {module}.weight_scale has shape {list(scale)}; a per-channel scale of "
                                  f"weight [{out_f}, {in_f}] is [{out_f}, 1]")  # fmt: skip
+            self._check_parts(module, {"input_scale": (1,)}, "a per-tensor activation scale")
             return out_f, in_f
         if s.nvfp4:  # no weight_shape: the packed bytes give it
             out_f, in_f = packed_shape[0], packed_shape[1] * 2

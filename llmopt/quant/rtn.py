@@ -16,6 +16,9 @@ from llmopt.options import QuantizeOptions
 from llmopt.quantized_tensor import QuantizedTensor
 
 
+INPUT_ABSMAX = "input_absmax"  # QuantizedTensor.aux: the calibrated max |x| of the linear's input, [1, 1]
+
+
 @dataclass(frozen=True)
 class RTNConfig:
     name: ClassVar[str] = "rtn"
@@ -24,6 +27,7 @@ class RTNConfig:
     sym: bool = True
     mse: bool = QuantizeOptions.mse  # clipping search per group
     zero_min: int = 0  # 1 for GPTQ v1 checkpoints (see grids/integer.py)
+    observe_inputs: bool = False  # calibrate: each linear's input range, for static activation scales (--scheme fp8, nvfp4)
 
     def grid(self) -> IntGrid:
         return IntGrid(self.bits, self.sym, self.group_size, self.zero_min, self.mse)
@@ -37,17 +41,27 @@ def rtn_quantize(weight: torch.Tensor, cfg: RTNConfig) -> QuantizedTensor:
     return cfg.grid().quantize(weight)
 
 
+class InputRange:
+    """The largest |x| a stage's input takes over the calibration tokens (what a static per-tensor activation
+    scale is made from, as llm-compressor's min-max observer makes it)."""
+
+    def __init__(self, device: torch.device):
+        self.absmax = torch.zeros((), dtype=torch.float32, device=device)
+
+    def add(self, x: torch.Tensor, x_fp: torch.Tensor | None = None) -> None:
+        self.absmax = torch.maximum(self.absmax, x.detach().abs().amax().to(torch.float32))
+
+
 class RTN:
     name = "rtn"
-    calibrated = False
-    stage_statistics = False
     full_precision_inputs = False
 
     def __init__(self, config: RTNConfig):
         self.config = config
+        self.calibrated = self.stage_statistics = config.observe_inputs  # a forward only to see the inputs' range
 
     def collector(self, features: int, device: torch.device) -> Collector | None:
-        return None
+        return InputRange(device) if self.config.observe_inputs else None
 
     def quantize_stage(self, weights: dict[str, torch.Tensor], grids: dict[str, Grid],
                        stats: Collector | None) -> dict[str, Quantized]:
@@ -67,7 +81,10 @@ class RTN:
             for n in names:
                 out[n] = Quantized(qt.take_rows(slice(row, row + weights[n].shape[0])))
                 row += weights[n].shape[0]
+        if isinstance(stats, InputRange):  # the stage's linears read one input: one range for them all
+            for q in out.values():
+                q.tensor.aux[INPUT_ABSMAX] = stats.absmax.reshape(1, 1).cpu()
         return {name: out[name] for name in weights}
 
     def provenance(self) -> dict[str, Any]:
-        return {"mse": self.config.mse}
+        return {"mse": self.config.mse, **({"observe_inputs": True} if self.config.observe_inputs else {})}

@@ -64,15 +64,16 @@ def build_spec(o: QuantizeOptions, method: str, sym: bool, *, act_dtype: torch.d
 
 
 def _scheme_spec(o: QuantizeOptions, method: str, common: dict) -> QuantizeSpec:
-    """`scheme`: every linear rounded to nearest onto one float grid: fp8-dynamic FP8 with one scale per row,
-    nvfp4a16 NVFP4 (groups of 16 under a per-tensor scale)."""
+    """`scheme`: every linear rounded to nearest onto one float grid: fp8-dynamic and fp8 FP8 with one scale per
+    row, nvfp4a16 and nvfp4 NVFP4 (groups of 16 under a per-tensor scale); fp8 and nvfp4 also measure each
+    linear's input range on the calibration tokens (their static activation scales)."""
     if method != "rtn":
         raise OptionError(f"<scheme> {o.scheme} rounds to nearest: <method> {method} does not apply")
     if o.target_bpw is not None or o.mse:
         raise OptionError(f"<scheme> {o.scheme} is one grid for every linear: <target_bpw> and <mse> do not apply")
-    if o.scheme == "nvfp4a16":
-        return QuantizeSpec(RTNConfig(4, NVFP4.group_size, True), grids=nvfp4_grid, **common)
-    return QuantizeSpec(RTNConfig(8, -1, True), grids=fp8_grid, **common)
+    if o.scheme.startswith("nvfp4"):
+        return QuantizeSpec(RTNConfig(4, NVFP4.group_size, True, observe_inputs=o.calibrated), grids=nvfp4_grid, **common)
+    return QuantizeSpec(RTNConfig(8, -1, True, observe_inputs=o.calibrated), grids=fp8_grid, **common)
 
 
 def check_shapes(source: ModelSource, spec: QuantizeSpec) -> None:

@@ -213,3 +213,34 @@ def test_fp8_scheme_bad_input_is_one_line(tiny_models, tmp_path, llmopt_here, ar
     result = llmopt_here("quantize", tiny_models("llama"), "--scheme", "fp8-dynamic", *args, "-o", tmp_path / "o")
     assert result.returncode == 2 and expect in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_fp8_static_has_calibrated_per_tensor_input_scales(tiny_models, tmp_path, llmopt_here):
+    """`--scheme fp8`: fp8-dynamic's weights with the FP8 preset's static per-tensor activations: one float32
+    `input_scale` per linear (the largest |x| of its input / 448), which transformers loads as the module's own;
+    the package decompresses the weights exactly as for fp8-dynamic."""
+    import transformers
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    (tmp_path / "calib.txt").write_text("\n".join(CORPUS))
+    out = tmp_path / "fp8"
+    result = llmopt_here("quantize", tiny_models("llama"), "--scheme", "fp8", "--calib", tmp_path / "calib.txt",
+                         "--nsamples", "4", "--seqlen", "32", "-o", out, "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    config = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
+    (scheme,) = config.config_groups.values()
+    assert scheme.input_activations == preset_name_to_scheme("FP8", ["Linear"]).input_activations
+    assert (scheme.weights.strategy, scheme.format) == ("channel", "float-quantized")  # the preset's are per tensor
+    state = load_file(out / "model.safetensors")
+    scales = {k.removesuffix(".input_scale"): v for k, v in state.items() if k.endswith(".input_scale")}
+    assert len(scales) == 14 and all(v.shape == (1,) and v.dtype == torch.float32 and float(v) > 0 for v in scales.values())
+    for layer in range(2):
+        assert len({float(scales[f"model.layers.{layer}.self_attn.{m}_proj"]) for m in "qkv"}) == 1
+    ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    compressor = BaseCompressor.get_value_from_registry("float-quantized")
+    with open_model(out) as q:
+        for module, scale in scales.items():
+            assert torch.equal(ref.get_submodule(module).input_scale.data, scale), module
+            local = {k.rpartition(".")[2]: v for k, v in state.items() if k.rpartition(".")[0] == module}
+            assert torch.equal(compressor.decompress(local, scheme)["weight"], q.load(f"{module}.weight")), module

@@ -19,6 +19,7 @@ from llmopt.formats.compressed_tensors import LAYOUT
 from llmopt.model import open_model
 from llmopt.model.packing import unpack_fp4_pairs
 from llmopt.quant.grids.nvfp4 import NVFP4
+from tests.factories import CORPUS
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +28,19 @@ def nvfp4_dir(tiny_models, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("nvfp4") / "nvfp4"
     assert main(["quantize", str(tiny_models("llama")), "--scheme", "nvfp4a16", "-o", str(out), "--json"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def w4a4_dir(tiny_models, tmp_path_factory):
+    """`--scheme nvfp4`: the same weights, and each linear's activation global scale from calibration."""
+    from llmopt.cli.app import main
+
+    root = tmp_path_factory.mktemp("nvfp4-w4a4")
+    (root / "calib.txt").write_text("\n".join(CORPUS))
+    out = root / "nvfp4"
+    assert main(["quantize", str(tiny_models("llama")), "--scheme", "nvfp4", "--calib", str(root / "calib.txt"),
+                 "--nsamples", "4", "--seqlen", "32", "-o", str(out), "--json"]) == 0  # fmt: skip
     return out
 
 
@@ -111,3 +125,44 @@ def test_transformers_loads_it_with_our_weights(nvfp4_dir):
     with open_model(nvfp4_dir) as q:
         for name, module in linears.items():
             assert torch.equal(module.weight, q.load(f"{name}.weight").to(torch.bfloat16)), name
+
+
+def test_nvfp4_w4a4_has_the_presets_activations_and_calibrated_global_scales(w4a4_dir, nvfp4_dir):
+    """NVFP4 (W4A4): input_activations as the package's NVFP4 preset states them, one `input_global_scale` per
+    linear (448·6 / the largest |x| its input took), the same for the linears that read one input, which
+    transformers loads as the module's own; the weights are nvfp4a16's."""
+    import transformers
+
+    qc = json.loads((w4a4_dir / "config.json").read_text())["quantization_config"]
+    (group,) = qc["config_groups"].values()
+    preset = preset_name_to_scheme("NVFP4", ["Linear"]).input_activations
+    config = QuantizationConfig.model_validate(qc)
+    assert next(iter(config.config_groups.values())).input_activations == preset
+    state, a16 = load_file(w4a4_dir / "model.safetensors"), load_file(nvfp4_dir / "model.safetensors")
+    scales = {k.removesuffix(".input_global_scale"): v for k, v in state.items() if k.endswith(".input_global_scale")}
+    assert len(scales) == 14 and all(v.shape == (1,) and v.dtype == torch.float32 and 0 < float(v) < 1e6 for v in scales.values())
+    for layer in range(2):
+        for fused in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
+            assert len({float(scales[f"model.layers.{layer}.{m}"]) for m in fused}) == 1
+    assert all(torch.equal(a16[k], v) for k, v in state.items() if k in a16)  # the weights do not depend on the data
+    ref = transformers.AutoModelForCausalLM.from_pretrained(w4a4_dir, dtype=torch.bfloat16)
+    for module, scale in scales.items():
+        assert torch.equal(ref.get_submodule(module).input_global_scale.data.float(), scale), module
+    with open_model(w4a4_dir) as q:
+        assert q.tensors["model.layers.0.mlp.down_proj.weight"].dtype == "CT-NVFP4"
+
+
+def test_static_input_scales_are_the_packages_observers():
+    """FP8's `input_scale` and NVFP4's `input_global_scale` from an input range, as compressed-tensors' observers
+    make them (calculate_qparams for FP8 per tensor, generate_gparam for NVFP4)."""
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+    from llmopt.formats.compressed_tensors import input_scale
+    from llmopt.quant.grids import fp8
+
+    for absmax in (0.37, 12.5, 1e-3):
+        a = torch.tensor([[absmax]])
+        fp8_args = preset_name_to_scheme("FP8", ["Linear"]).input_activations
+        theirs, _ = calculate_qparams(-a.reshape(1), a.reshape(1), fp8_args)
+        assert torch.equal(input_scale(fp8.NAME, a), theirs.to(torch.float32))
+        assert torch.equal(input_scale(NVFP4.name, a), generate_gparam(-a.reshape(1), a.reshape(1)))

@@ -243,3 +243,13 @@ def test_bad_input_is_one_line_naming_the_path(package_dirs, tmp_path, config, t
     with pytest.raises(InputError) as e:
         open_model(out)
     assert expect in str(e.value) and str(out) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_static_activations_without_their_scale_are_one_line(package_dirs, tmp_path):
+    """FP8 with static per-tensor activations (the FP8 preset's) stores `input_scale` per linear; a file whose config
+    says so but lacks one stops with one line."""
+    acts = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    out = _edit(package_dirs["fp8"], tmp_path / "static", lambda q: q["config_groups"]["group_0"].update(input_activations=acts))
+    with pytest.raises(InputError) as e:
+        open_model(out)
+    assert "model.layers.0.mlp.down_proj.input_scale is missing" in str(e.value) and "\n" not in str(e.value)

@@ -146,11 +146,15 @@ class _Checkpoint(_Output):
 
     def method_name(self) -> str:
         """The method: as given, else the format's own (QuantizeOptions.method_name's rule)."""
-        return as_options(self, QuantizeOptions, skip={"fmt"} | CALIBRATION | RUN, fmt=self.format).method_name
+        return self._options().method_name
+
+    def _options(self) -> QuantizeOptions:
+        return as_options(self, QuantizeOptions, skip={"fmt"} | CALIBRATION | RUN, fmt=self.format)
 
     @property
     def calibrated(self) -> bool:
-        return self.method_name() != "rtn"
+        """Whether it reads the recipe's calibration (QuantizeOptions.calibrated's rule)."""
+        return self._options().calibrated
 
     def options(self, calibration: dict[str, Any]) -> QuantizeOptions:
         """The API's options: this output's and the recipe's `calibration` (the API's keywords; used

@@ -27,3 +27,17 @@ def test_recipe_output_fp8_dynamic(llmopt_here, tiny_models, tmp_path):
     out = tmp_path / "out" / "fp8"
     assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "float-quantized"
     assert "# model fp8-dynamic compressed-tensors" in (out / "README.md").read_text()
+
+
+def test_recipe_output_fp8_static_reads_the_recipes_calibration(llmopt_here, tiny_models, tmp_path):
+    """`scheme: fp8` measures activation ranges, so it takes the recipe's calibration (QuantizeOptions.calibrated)."""
+    from tests.factories import CORPUS
+
+    (tmp_path / "calib.txt").write_text("\n".join(CORPUS))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {tiny_models('llama')}\ncalibration: {{data: {tmp_path / 'calib.txt'}, nsamples: 4, "
+                      f"seqlen: 32}}\noutputs:\n  fp8: {{format: compressed-tensors, scheme: fp8}}\n")  # fmt: skip
+    result = llmopt_here("run", recipe, "--json")
+    assert result.returncode == 0, result.stderr
+    qc = json.loads((tmp_path / "out" / "fp8" / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"]["group_0"]["input_activations"]["strategy"] == "tensor"

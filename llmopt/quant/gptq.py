@@ -212,7 +212,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, 
     energy = torch.diag(h).clone()  # each column's, in processing order
     del h  # the column loop reads only H⁻¹'s factor (and refit_scales its own copy)
 
-    codes = torch.zeros(rows, cols, dtype=torch.uint8, device=w.device)
+    code_dtype = torch.uint8 if grid.bits <= 8 else torch.int32  # FP8's codes are 19-bit (grids/fp8.py)
+    codes = torch.zeros(rows, cols, dtype=code_dtype, device=w.device)
     # group of each processed (possibly permuted) column
     if perm is not None and (static or group_aware):
         col_group = perm // gs
@@ -247,7 +248,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig, 
             col = w_blk[:, i]
             j = stored[c] - g * gs  # the column's place in its span
             q = grid.round(col, p, j)
-            codes[:, c] = q.to(torch.uint8)
+            codes[:, c] = q.to(code_dtype)
             d = hinv_blk[i, i]
             e = (col - grid.value(q, p, j)) / d
             loss += e.pow(2) / 2  # (w - q)^2 / d^2 / 2, the paper's per-column loss

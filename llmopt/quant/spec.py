@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.errors import InputError, OptionError
-from llmopt.names import METHODS
+from llmopt.names import CALIBRATED_SCHEMES, METHODS
 from llmopt.options import QuantizeOptions
 from llmopt.model.source import ModelSource
 from llmopt.quant.awq import AWQConfig
@@ -64,16 +64,25 @@ def build_spec(o: QuantizeOptions, method: str, sym: bool, *, act_dtype: torch.d
 
 
 def _scheme_spec(o: QuantizeOptions, method: str, common: dict) -> QuantizeSpec:
-    """`scheme`: every linear rounded to nearest onto one float grid: fp8-dynamic and fp8 FP8 with one scale per
-    row, nvfp4a16 and nvfp4 NVFP4 (groups of 16 under a per-tensor scale); fp8 and nvfp4 also measure each
-    linear's input range on the calibration tokens (their static activation scales)."""
-    if method != "rtn":
-        raise OptionError(f"<scheme> {o.scheme} rounds to nearest: <method> {method} does not apply")
+    """`scheme`: every linear onto one float grid: fp8-dynamic and fp8 FP8 with one scale per row, nvfp4a16 and
+    nvfp4 NVFP4 (groups of 16 under a per-tensor scale); fp8 and nvfp4 also measure each linear's input range on
+    the calibration tokens (their static activation scales). Rounded to nearest, or by GPTQ's error feedback
+    onto the same grid (`method` gptq) where the activations need no calibrated scale."""
+    if method not in ("rtn", "gptq") or method == "gptq" and o.scheme in CALIBRATED_SCHEMES:
+        raise OptionError(f"<scheme> {o.scheme} rounds to nearest{'' if o.scheme in CALIBRATED_SCHEMES else ' or by gptq'}: "
+                          f"<method> {method} does not apply")  # fmt: skip
     if o.target_bpw is not None or o.mse:
         raise OptionError(f"<scheme> {o.scheme} is one grid for every linear: <target_bpw> and <mse> do not apply")
-    if o.scheme.startswith("nvfp4"):
-        return QuantizeSpec(RTNConfig(4, NVFP4.group_size, True, observe_inputs=o.calibrated), grids=nvfp4_grid, **common)
-    return QuantizeSpec(RTNConfig(8, -1, True, observe_inputs=o.calibrated), grids=fp8_grid, **common)
+    grids, bits, group_size = (nvfp4_grid, 4, NVFP4.group_size) if o.scheme.startswith("nvfp4") else (fp8_grid, 8, -1)
+    if method == "gptq":
+        if o.refit_scales or o.gptaq or o.group_aware:
+            raise OptionError(f"<scheme> {o.scheme} with gptq takes <act_order>, <static_groups> and <damp>; "
+                              f"<refit_scales>, <gptaq> and <group_aware> do not apply")  # fmt: skip
+        config = GPTQConfig(bits, group_size, True, o.act_order, o.static_groups, o.damp, o.damp_step)
+        return QuantizeSpec(config, grids=grids, **common)
+    if o.act_order or o.static_groups or o.refit_scales or o.gptaq or o.group_aware:
+        raise OptionError(f"{GPTQ_ONLY} apply to <method> gptq and awq+gptq")
+    return QuantizeSpec(RTNConfig(bits, group_size, True, observe_inputs=o.calibrated), grids=grids, **common)
 
 
 def check_shapes(source: ModelSource, spec: QuantizeSpec) -> None:

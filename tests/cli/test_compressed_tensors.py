@@ -58,6 +58,6 @@ def test_nvfp4a16_is_written_and_generates(tiny_models, tmp_path, llmopt_cli):
     assert result.returncode == 0, result.stderr
 
 
-def test_nvfp4a16_rounds_to_nearest(tiny_models, tmp_path, llmopt_cli):
-    result = llmopt_cli("quantize", tiny_models("llama"), "--scheme", "nvfp4a16", "--method", "gptq", "-o", tmp_path / "o")
-    assert_clean_failure(result, "--scheme nvfp4a16 rounds to nearest: --method gptq does not apply")
+def test_static_activation_schemes_round_to_nearest(tiny_models, tmp_path, llmopt_cli):
+    result = llmopt_cli("quantize", tiny_models("llama"), "--scheme", "nvfp4", "--method", "gptq", "-o", tmp_path / "o")
+    assert_clean_failure(result, "--scheme nvfp4 rounds to nearest: --method gptq does not apply")

@@ -207,7 +207,8 @@ def test_fp8_dynamic_is_float_quantized_and_the_package_decompresses_it_exactly(
 
 @pytest.mark.parametrize("args,expect", [
     (["--format", "gptq"], "--scheme fp8-dynamic is written as --format compressed-tensors or dense, not gptq"),
-    (["--method", "gptq"], "--scheme fp8-dynamic rounds to nearest: --method gptq does not apply"),
+    (["--method", "awq"], "--scheme fp8-dynamic rounds to nearest or by gptq: --method awq does not apply"),
+    (["--method", "gptq", "--refit-scales"], "--refit-scales, --gptaq and --group-aware-order do not apply"),
 ])  # fmt: skip
 def test_fp8_scheme_bad_input_is_one_line(tiny_models, tmp_path, llmopt_here, args, expect):
     result = llmopt_here("quantize", tiny_models("llama"), "--scheme", "fp8-dynamic", *args, "-o", tmp_path / "o")
@@ -244,3 +245,31 @@ def test_fp8_static_has_calibrated_per_tensor_input_scales(tiny_models, tmp_path
             assert torch.equal(ref.get_submodule(module).input_scale.data, scale), module
             local = {k.rpartition(".")[2]: v for k, v in state.items() if k.rpartition(".")[0] == module}
             assert torch.equal(compressor.decompress(local, scheme)["weight"], q.load(f"{module}.weight")), module
+
+
+def test_gptq_onto_the_fp8_grid(tiny_models, tmp_path, llmopt_here):
+    """`--scheme fp8-dynamic --method gptq`: GPTQ's error feedback onto the FP8 grid (one scale per row, chosen from
+    the weights before any column is rounded). The file is the same float-quantized layout, the package decompresses
+    it to llmopt's weights exactly, and the rounding is not round-to-nearest's."""
+    from compressed_tensors.compressors.base import BaseCompressor
+
+    (tmp_path / "calib.txt").write_text("\n".join(CORPUS))
+    outs = {}
+    for method in ("rtn", "gptq"):
+        outs[method] = tmp_path / method
+        calib = ["--calib", tmp_path / "calib.txt", "--nsamples", "4", "--seqlen", "32"] if method == "gptq" else []
+        result = llmopt_here("quantize", tiny_models("llama"), "--scheme", "fp8-dynamic", "--method", method, *calib,
+                             "-o", outs[method])  # fmt: skip
+        assert result.returncode == 0, result.stderr
+    config = QuantizationConfig.model_validate(json.loads((outs["gptq"] / "config.json").read_text())["quantization_config"])
+    (scheme,) = config.config_groups.values()
+    state, rtn = load_file(outs["gptq"] / "model.safetensors"), load_file(outs["rtn"] / "model.safetensors")
+    compressor = BaseCompressor.get_value_from_registry("float-quantized")
+    modules = sorted({k.rpartition(".")[0] for k in state if k.endswith(".weight_scale")})
+    with open_model(outs["gptq"]) as q:
+        for module in modules:
+            local = {k.rpartition(".")[2]: v for k, v in state.items() if k.rpartition(".")[0] == module}
+            assert torch.equal(compressor.decompress(local, scheme)["weight"], q.load(f"{module}.weight")), module
+            assert torch.equal(state[f"{module}.weight_scale"], rtn[f"{module}.weight_scale"])  # the same row scales
+    changed = [m for m in modules if not torch.equal(state[f"{m}.weight"].view(torch.uint8), rtn[f"{m}.weight"].view(torch.uint8))]
+    assert len(changed) == len(modules)

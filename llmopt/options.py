@@ -248,8 +248,9 @@ class QuantizeOptions(CalibrationOptions, RoundingOptions, AutomixOptions, Shard
                                 "activations with one static scale per linear from --calib; nvfp4a16: FP4 (e2m1) "
                                 "weights in groups of 16 with float8 scales under a per-tensor scale, activations "
                                 "unquantized; nvfp4: the same weights, activations NVFP4 under a global scale from "
-                                "--calib (W4A4). Rounds to nearest, written as compressed-tensors (instead of "
-                                "--bits/--group-size/--sym).",
+                                "--calib (W4A4); mxfp4a16: FP4 weights in groups of 32 under a power-of-two scale. "
+                                "Rounds to nearest (fp8-dynamic, nvfp4a16, mxfp4a16: or --method gptq), written as "
+                                "compressed-tensors (instead of --bits/--group-size/--sym).",
                                 choices=SCHEMES, show_default=False)  # fmt: skip
 
     @property

@@ -17,6 +17,8 @@ and `weight_scale` float32 [out, 1], W = weight·scale, with activations quantiz
 [out, in/2] (E2M1 indices, column 2k in the low nibble of byte k, 2k+1 in the high one), `weight_scale`
 float8_e4m3fn [out, in/16] and `weight_global_scale` float32 [1], W = v·(weight_scale / weight_global_scale),
 strategy "tensor_group" (compressed-tensors' NVFP4A16 preset; no `weight_shape`, as the package writes none).
+`--scheme mxfp4a16` (the GGUF MXFP4 grid, quant/grids/fp4.py) is written `mxfp4-pack-quantized`: the same
+`weight_packed` and `weight_scale` uint8 [out, in/32], the E8M0 byte e of w = 2^(e−127)·v (MXFP4A16 preset).
 
 `config.json`'s `quantization_config` has one `config_groups` entry per (bits, group size) with a `re:`
 target naming exactly its modules (several with `--target-bpw`), the head in `ignore` when it stays float.
@@ -33,9 +35,10 @@ from typing import Any
 import torch
 
 from llmopt.errors import OptionError
-from llmopt.model.compressed_tensors import FLOAT, NVFP4_PACKED, PACKED, int_part_shapes, nvfp4_part_shapes
+from llmopt.model.compressed_tensors import FLOAT, MXFP4_PACKED, NVFP4_PACKED, PACKED, fp4_part_shapes, int_part_shapes
 from llmopt.model.packing import pack_fp4_pairs, pack_rows
 from llmopt.quant.grids import fp8, nvfp4
+from llmopt.quant.grids.fp4 import MXFP4
 from llmopt.quant.pipeline import HEAD, QuantizeSpec
 from llmopt.quant.rtn import INPUT_ABSMAX
 from llmopt.quantized_tensor import QuantizedTensor
@@ -53,11 +56,11 @@ def _act_order(spec: QuantizeSpec) -> tuple[bool, bool]:
 
 
 def float_grid(spec: QuantizeSpec) -> str | None:
-    """The float grid a `--scheme` rounds every module onto (fp8.NAME, nvfp4.NAME), or None (integer grids)."""
+    """The float grid a `--scheme` rounds every module onto (FP8, NVFP4, MXFP4), or None (integer grids)."""
     if spec.grids is None:
         return None
     name = spec.grid_for(HEAD).name
-    return name if name in (fp8.NAME, nvfp4.NVFP4.name) else None
+    return name if name in (fp8.NAME, nvfp4.NVFP4.name, MXFP4.name) else None
 
 
 def static_inputs(spec: QuantizeSpec) -> bool:
@@ -70,7 +73,13 @@ def float_scheme(grid: str, static: bool) -> dict[str, Any]:
     per channel, static; activations float8 per token, dynamic, or (`static`) per tensor with a calibrated scale
     (FP8's activations; its weights are per tensor, ours stay per channel). NVFP4A16: FP4 weights in groups of 16
     with e4m3 scales under a per-tensor global scale ("tensor_group"); activations unquantized, or (`static`,
-    NVFP4) FP4 per 16 at run time under a calibrated global scale."""
+    NVFP4) FP4 per 16 at run time under a calibrated global scale. MXFP4A16: FP4 weights in groups of 32 under an
+    E8M0 power-of-two scale byte ("group", scale_dtype uint8); activations unquantized."""
+    if grid == MXFP4.name:
+        weights = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": MXFP4.block, "strategy": "group",
+                   "block_structure": None, "dynamic": False, "observer": "minmax", "observer_kwargs": {},
+                   "scale_dtype": "torch.uint8"}  # fmt: skip
+        return {"weights": weights, "input_activations": None, "output_activations": None, "format": MXFP4_PACKED}
     if grid == nvfp4.NVFP4.name:
         weights = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": nvfp4.NVFP4.group_size,
                    "strategy": "tensor_group", "block_structure": None, "dynamic": False, "observer": "minmax",
@@ -159,9 +168,12 @@ class CompressedTensorsLayout:
             inputs = [(INPUT_SCALES[grid], (1,), torch.float32)] if static_inputs(spec) else []
             if grid == fp8.NAME:
                 return [("weight", (out_f, in_f), torch.float8_e4m3fn), ("weight_scale", (out_f, 1), torch.float32), *inputs]
-            shapes = nvfp4_part_shapes(out_f, in_f)
-            dtypes = {"weight_packed": torch.uint8, "weight_scale": torch.float8_e4m3fn,
-                      "weight_global_scale": torch.float32}  # fmt: skip
+            if grid == MXFP4.name:
+                dtypes = {"weight_packed": torch.uint8, "weight_scale": torch.uint8}
+            else:
+                dtypes = {"weight_packed": torch.uint8, "weight_scale": torch.float8_e4m3fn,
+                          "weight_global_scale": torch.float32}  # fmt: skip
+            shapes = fp4_part_shapes(out_f, in_f, MXFP4.block if grid == MXFP4.name else nvfp4.NVFP4.group_size)
             return [(part, shapes[part], dtype) for part, dtype in dtypes.items()] + inputs
         if group_size > 0 and in_f % group_size:
             raise OptionError(f"<group_size> {group_size} does not divide a linear's {in_f} inputs: compressed-tensors "
@@ -177,6 +189,8 @@ class CompressedTensorsLayout:
     def tensors(self, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
         """One quantized linear as pack-quantized tensors; per-tensor parameters repeat on every row."""
         out_f, in_f = qt.shape
+        if qt.grid == MXFP4.name:  # the block exponents are compressed-tensors' E8M0 scale bytes (2^(e-127)·v)
+            return {"weight_packed": pack_fp4_pairs(qt.codes), "weight_scale": qt.aux["e"].to(torch.uint8).contiguous()}
         if qt.grid in INPUT_SCALES:
             inputs = {INPUT_SCALES[qt.grid]: input_scale(qt.grid, qt.aux[INPUT_ABSMAX])} if INPUT_ABSMAX in qt.aux else {}
             if qt.grid == fp8.NAME:  # exact: scale·2^9 undoes the code's step (quant/grids/fp8.py)

@@ -10,7 +10,9 @@ time (FP8_DYNAMIC; llmopt's runtime keeps activations in its own dtype, so it ru
 FP8 with static per-tensor activation scales (`input_scale`, FP8's preset), and NVFP4 weights stored
 `nvfp4-pack-quantized` (FP4 in groups of 16 under e4m3 scales and a per-tensor
 global scale, strategy "tensor_group"), with activations unquantized (NVFP4A16) or as NVFP4's own
-(FP4 "tensor_group", dynamic "local": run in llmopt as W4A16); anything else is one line.
+(FP4 "tensor_group", dynamic "local": run in llmopt as W4A16), and MXFP4 weights stored `mxfp4-pack-quantized`
+(FP4 in groups of 32 under E8M0 power-of-two scales), activations unquantized or the MXFP4 preset's dynamic
+ones; anything else is one line.
 Used by `CompressedTensorsDirSource` (model/quantized_dir.py).
 """
 
@@ -23,13 +25,18 @@ from pathlib import Path
 from llmopt.errors import InputError
 from llmopt.model.packing import NVFP4_GROUP, packed_length
 
+MXFP4_GROUP = 32
+
 PACKED = "pack-quantized"
 FLOAT = "float-quantized"
 NVFP4_PACKED = "nvfp4-pack-quantized"
-KINDS = {PACKED: "int", FLOAT: "float", NVFP4_PACKED: "float"}  # what each storage format holds
+MXFP4_PACKED = "mxfp4-pack-quantized"
+FP4_PACKED = (NVFP4_PACKED, MXFP4_PACKED)
+KINDS = {PACKED: "int", FLOAT: "float", NVFP4_PACKED: "float", MXFP4_PACKED: "float"}  # what each storage format holds
 # (storage format) -> the weight schemes it holds here: (bits, strategy) -> the group size (None: any)
 WEIGHTS = {PACKED: {(b, st): None for b in (2, 4, 8) for st in ("group", "channel")},
-           FLOAT: {(8, "channel"): None}, NVFP4_PACKED: {(4, "tensor_group"): NVFP4_GROUP}}  # fmt: skip
+           FLOAT: {(8, "channel"): None}, NVFP4_PACKED: {(4, "tensor_group"): NVFP4_GROUP},
+           MXFP4_PACKED: {(4, "group"): MXFP4_GROUP}}  # fmt: skip
 BITS = (2, 4, 8)  # whole values per int32 word: compressed-tensors' packing is then ours (model/packing.py)
 ACTORDERS = (None, "weight", "static", "group", "dynamic")  # group/dynamic: permuted groups, weight_g_idx
 
@@ -42,9 +49,10 @@ def int_part_shapes(out_f: int, in_f: int, bits: int, group_size: int) -> dict[s
             "weight_zero_point": (packed_length(out_f, bits), groups), "weight_g_idx": (in_f,), "weight_shape": (2,)}  # fmt: skip
 
 
-def nvfp4_part_shapes(out_f: int, in_f: int) -> dict[str, tuple[int, ...]]:
-    """The stored shape of every part of an nvfp4-pack-quantized linear [out_f, in_f] (in_f a multiple of 16)."""
-    return {"weight_packed": (out_f, in_f // 2), "weight_scale": (out_f, in_f // NVFP4_GROUP),
+def fp4_part_shapes(out_f: int, in_f: int, group_size: int) -> dict[str, tuple[int, ...]]:
+    """The stored shape of every part of an nvfp4- or mxfp4-pack-quantized linear [out_f, in_f] (in_f a multiple of
+    the group size: 16 for NVFP4, whose scale is e4m3, 32 for MXFP4, whose scale is an E8M0 byte)."""
+    return {"weight_packed": (out_f, in_f // 2), "weight_scale": (out_f, in_f // group_size),
             "weight_global_scale": (1,), "input_global_scale": (1,)}  # fmt: skip
 
 
@@ -61,6 +69,11 @@ class WeightScheme:
     def nvfp4(self) -> bool:
         return self.fmt == NVFP4_PACKED
 
+    @property
+    def fp4(self) -> bool:
+        """FP4 values two a byte (NVFP4 or MXFP4)."""
+        return self.fmt in FP4_PACKED
+
 
 def _activations_held(fmt: str, acts: object) -> bool:
     """Whether llmopt runs a group's input activations as written (in its own dtype): none, FP8's per token
@@ -72,6 +85,8 @@ def _activations_held(fmt: str, acts: object) -> bool:
     key = (acts.get("type"), acts.get("num_bits"), acts.get("strategy"), acts.get("dynamic"))
     if fmt == FLOAT:
         return key in (("float", 8, "token", True), ("float", 8, "tensor", False))
+    if fmt == MXFP4_PACKED:  # the MXFP4 preset's: FP4 per 32 at run time
+        return key == ("float", 4, "group", True)
     return fmt == NVFP4_PACKED and key == ("float", 4, "tensor_group", "local")
 
 
@@ -116,7 +131,7 @@ def _scheme(path: Path, name: str, group: object, top_format: object) -> WeightS
         raise InputError(f"{where}: weight scheme {kind} {bits}-bit {strategy} (group {group_size}, dynamic "
                          f"{w.get('dynamic')}, actorder {actorder}) in {fmt} is not supported (llmopt reads int "
                          f"{'/'.join(map(str, BITS))}-bit, group or channel; symmetric float 8-bit per channel; "
-                         f"NVFP4: float 4-bit tensor_group, group 16; static)")  # fmt: skip
+                         f"NVFP4: float 4-bit tensor_group, group 16; MXFP4: float 4-bit group 32; static)")  # fmt: skip
     if strategy in ("group", "tensor_group") and group_size <= 0:
         raise InputError(f"{where}: strategy {strategy} needs a positive group_size, got {group_size}")
     group_size = group_size if strategy in ("group", "tensor_group") else -1

@@ -176,6 +176,12 @@ def unpack_fp4_pairs(packed: torch.Tensor) -> torch.Tensor:
     return FP4_CODES[idx].to(torch.uint8)
 
 
+def e8m0_half_scale(e: torch.Tensor) -> torch.Tensor:
+    """An MXFP4 block's E8M0 byte e as the scale of its doubled FP4 values: 2^(e − 128) as float32 (denormal for
+    e < 2), llama.cpp's ggml_e8m0_to_fp32_half; w = 2^(e − 127)·v, compressed-tensors' `weight_scale` byte too."""
+    return torch.ldexp(torch.ones(e.shape, dtype=torch.float64), e.to(torch.float64) - 128).to(torch.float32)
+
+
 NVFP4_GRID = "nvfp4_tensor_group"  # QuantizedTensor.grid of compressed-tensors' NVFP4 (quant/grids/nvfp4.py)
 NVFP4_GROUP = 16
 

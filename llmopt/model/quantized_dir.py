@@ -22,8 +22,10 @@ import torch
 
 from llmopt.errors import InputError
 from llmopt.model import compressed_tensors as ct
+from llmopt.model.ggml_types import GGMLQuantType
 from llmopt.model.hf_dir import HFDirSource
-from llmopt.model.packing import (FP8_CODE_BITS, FP8_GRID, FP8_STEP, NVFP4_GRID, PACK_BITS, fp8_codes, nvfp4_scales,
+from llmopt.model.packing import (FP8_CODE_BITS, FP8_GRID, FP8_STEP, NVFP4_GRID, PACK_BITS, e8m0_half_scale, fp8_codes,
+                                  nvfp4_scales,
                                   unpack_awq, unpack_fp4_pairs, unpack_qweight,
                                   unpack_qzeros, unpack_rows)
 from llmopt.model.validate import check_tensors
@@ -250,13 +252,15 @@ class CompressedTensorsDirSource(PackedDirSource):
         """Its stored tensors; a static activation scale is required where the scheme has one (llmopt's runtime
         keeps activations in its own dtype, but a file without it is not what its config says)."""
         s = self.scheme(module)
-        weights = ("weight", "weight_scale") if self._fp8(module) else self.nvfp4_parts if s.nvfp4 else self.int_parts
+        weights = ("weight", "weight_scale") if self._fp8(module) else self.nvfp4_parts if s.nvfp4 else \
+            self.nvfp4_parts[:2] if s.fp4 else self.int_parts  # MXFP4: packed values and E8M0 bytes
         return (*weights, self.input_parts[s.fmt]) if s.static_inputs else weights
 
     def module_kind(self, module: str) -> str:
         if self._fp8(module):
             return "CT-FP8"
-        return "CT-NVFP4" if self.scheme(module).nvfp4 else f"CT-INT{self.module_config(module)[0]}"
+        s = self.scheme(module)
+        return ("CT-NVFP4" if s.nvfp4 else "CT-MXFP4") if s.fp4 else f"CT-INT{s.bits}"
 
     def _fp8(self, module: str) -> bool:
         info = self.stored.get(f"{module}.weight")
@@ -293,9 +297,10 @@ class CompressedTensorsDirSource(PackedDirSource):
                                  f"weight [{out_f}, {in_f}] is [{out_f}, 1]")  # fmt: skip
             self._check_parts(module, {"input_scale": (1,)}, "a per-tensor activation scale")
             return out_f, in_f
-        if s.nvfp4:  # no weight_shape: the packed bytes give it
+        if s.fp4:  # no weight_shape: the packed bytes give it
             out_f, in_f = packed_shape[0], packed_shape[1] * 2
-            self._check_parts(module, ct.nvfp4_part_shapes(out_f, in_f), f"weight_packed {list(packed_shape)} (NVFP4)")
+            self._check_parts(module, ct.fp4_part_shapes(out_f, in_f, s.group_size),
+                              f"weight_packed {list(packed_shape)} ({'NVFP4' if s.nvfp4 else 'MXFP4'})")  # fmt: skip
             return out_f, in_f
         shape = self.raw(module, "weight_shape")
         if shape.numel() != 2:
@@ -326,6 +331,10 @@ class CompressedTensorsDirSource(PackedDirSource):
             return QuantizedTensor(codes=unpack_fp4_pairs(self.raw(module, "weight_packed")),
                                    scales=nvfp4_scales(group_scale, global_scale), bits=8, group_size=s.group_size,
                                    grid=NVFP4_GRID, aux={"group_scale": group_scale, "global_scale": global_scale})  # fmt: skip
+        if s.fp4:  # MXFP4: the E8M0 bytes are llama.cpp's MXFP4 block exponents, the same grid (quant/grids/fp4.py)
+            e = self.raw(module, "weight_scale")
+            return QuantizedTensor(codes=unpack_fp4_pairs(self.raw(module, "weight_packed")), scales=e8m0_half_scale(e),
+                                   bits=8, group_size=s.group_size, grid=GGMLQuantType.MXFP4.name, aux={"e": e})  # fmt: skip
         codes = unpack_rows(self.raw(module, "weight_packed").t().contiguous(), s.bits, in_f).t().contiguous()
         scales = self.raw(module, "weight_scale")
         if s.sym:

@@ -15,10 +15,14 @@ from llmopt.model.source import ModelSource
 from llmopt.quant.awq import AWQConfig
 from llmopt.quant.gptq import GPTQConfig
 from llmopt.quant.grids.fp8 import fp8_grid
+from llmopt.quant.grids.fp4 import MXFP4, mxfp4_grid
 from llmopt.quant.grids.nvfp4 import NVFP4, nvfp4_grid
 from llmopt.quant.pipeline import QuantizeSpec, head_weight_name
 from llmopt.quant.rtn import RTNConfig
 
+# each `--scheme`'s grid for every linear, and the (bits, group size) a method config states for it
+SCHEME_GRIDS = {"fp8-dynamic": (fp8_grid, 8, -1), "fp8": (fp8_grid, 8, -1), "nvfp4a16": (nvfp4_grid, 4, NVFP4.group_size),
+                "nvfp4": (nvfp4_grid, 4, NVFP4.group_size), "mxfp4a16": (mxfp4_grid, 4, MXFP4.block)}  # fmt: skip
 GPTQ_ONLY = "<act_order>, <group_aware>, <static_groups>, <refit_scales> and <gptaq>"
 
 
@@ -64,16 +68,17 @@ def build_spec(o: QuantizeOptions, method: str, sym: bool, *, act_dtype: torch.d
 
 
 def _scheme_spec(o: QuantizeOptions, method: str, common: dict) -> QuantizeSpec:
-    """`scheme`: every linear onto one float grid: fp8-dynamic and fp8 FP8 with one scale per row, nvfp4a16 and
-    nvfp4 NVFP4 (groups of 16 under a per-tensor scale); fp8 and nvfp4 also measure each linear's input range on
-    the calibration tokens (their static activation scales). Rounded to nearest, or by GPTQ's error feedback
-    onto the same grid (`method` gptq) where the activations need no calibrated scale."""
+    """`scheme`: every linear onto one float grid (SCHEME_GRIDS): fp8-dynamic and fp8 FP8 with one scale per row,
+    nvfp4a16 and nvfp4 NVFP4 (groups of 16 under a per-tensor scale), mxfp4a16 MXFP4 (groups of 32 under a power
+    of two); fp8 and nvfp4 also measure each linear's input range on the calibration tokens (their static
+    activation scales). Rounded to nearest, or by GPTQ's error feedback onto the same grid (`method` gptq) where
+    the activations need no calibrated scale."""
     if method not in ("rtn", "gptq") or method == "gptq" and o.scheme in CALIBRATED_SCHEMES:
         raise OptionError(f"<scheme> {o.scheme} rounds to nearest{'' if o.scheme in CALIBRATED_SCHEMES else ' or by gptq'}: "
                           f"<method> {method} does not apply")  # fmt: skip
     if o.target_bpw is not None or o.mse:
         raise OptionError(f"<scheme> {o.scheme} is one grid for every linear: <target_bpw> and <mse> do not apply")
-    grids, bits, group_size = (nvfp4_grid, 4, NVFP4.group_size) if o.scheme.startswith("nvfp4") else (fp8_grid, 8, -1)
+    grids, bits, group_size = SCHEME_GRIDS[o.scheme]
     if method == "gptq":
         if o.refit_scales or o.gptaq or o.group_aware:
             raise OptionError(f"<scheme> {o.scheme} with gptq takes <act_order>, <static_groups> and <damp>; "

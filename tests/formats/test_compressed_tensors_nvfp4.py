@@ -166,3 +166,39 @@ def test_static_input_scales_are_the_packages_observers():
         theirs, _ = calculate_qparams(-a.reshape(1), a.reshape(1), fp8_args)
         assert torch.equal(input_scale(fp8.NAME, a), theirs.to(torch.float32))
         assert torch.equal(input_scale(NVFP4.name, a), generate_gparam(-a.reshape(1), a.reshape(1)))
+
+
+def test_mxfp4a16_is_the_packages_layout_and_decompresses_to_our_weights(tiny_models, tmp_path, llmopt_here):
+    """`--scheme mxfp4a16`: llama.cpp's MXFP4 blocks (the GGUF grid) as `mxfp4-pack-quantized`, the block exponent as
+    the E8M0 scale byte. The package's MXFP4PackedCompressor gives exactly llmopt's weights (powers of two times
+    E2M1 values are exact in its bfloat16), and transformers holds them."""
+    import transformers
+    from compressed_tensors.compressors.mxfp4 import MXFP4PackedCompressor
+
+    from llmopt.quant.grids.fp4 import MXFP4
+
+    out = tmp_path / "mxfp4"
+    result = llmopt_here("quantize", tiny_models("llama"), "--scheme", "mxfp4a16", "-o", out)
+    assert result.returncode == 0, result.stderr
+    config = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
+    (scheme,) = config.config_groups.values()
+    preset = preset_name_to_scheme("MXFP4A16", ["Linear"]).weights
+    fields = ("num_bits", "type", "strategy", "group_size", "symmetric", "dynamic", "scale_dtype")
+    assert [getattr(scheme.weights, f) for f in fields] == [getattr(preset, f) for f in fields]
+    assert config.format == "mxfp4-pack-quantized" and scheme.input_activations is None
+    state = load_file(out / "model.safetensors")
+    down = "model.layers.0.mlp.down_proj"  # [64, 128]
+    assert (state[f"{down}.weight_scale"].dtype, tuple(state[f"{down}.weight_scale"].shape)) == (torch.uint8, (64, 4))
+    modules = sorted({k.rpartition(".")[0] for k in state if k.endswith(".weight_packed")})
+    assert len(modules) == 14
+    ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref(torch.tensor([[1, 2, 3]]))  # the first forward decompresses
+    with open_model(out) as q, open_model(tiny_models("llama")) as src:
+        assert q.tensors[f"{down}.weight"].dtype == "CT-MXFP4"
+        for module in modules:
+            local = {k.rpartition(".")[2]: v for k, v in state.items() if k.rpartition(".")[0] == module}
+            ours = q.load(f"{module}.weight")
+            assert torch.equal(MXFP4PackedCompressor.decompress(local, scheme)["weight"].float(), ours), module
+            assert torch.equal(ours, MXFP4.quantize(src.load(f"{module}.weight")).dequantize()), module
+            assert torch.equal(ref.get_submodule(module).weight.float(), ours), module

@@ -78,21 +78,22 @@ def _compress_and_save(model: torch.nn.Module, fmt: str, source: Path, out: Path
     return out
 
 
-def package_nvfp4_checkpoint(source: Path, out: Path) -> Path:
-    """The NVFP4A16 preset applied by the package, each module's global scale and e4m3 group scales from its own
-    helpers (generate_gparam, calculate_qparams: what its min-max observer computes), compressed and saved."""
+def package_fp4_checkpoint(source: Path, out: Path, preset: str, fmt: str) -> Path:
+    """An FP4 preset (NVFP4A16, MXFP4A16) applied by the package, each module's scales (NVFP4: and global scale)
+    from its own helpers (generate_gparam, calculate_qparams: what its min-max observer computes), compressed and
+    saved."""
     model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    fmt = "nvfp4-pack-quantized"
-    config = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme("NVFP4A16", ["Linear"])},
+    config = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])},
                                 ignore=["lm_head"], quantization_status=QuantizationStatus.FROZEN, format=fmt)  # fmt: skip
     apply_quantization_config(model, config)
     for module in model.modules():
-        if hasattr(module, "weight_global_scale"):
-            w = module.weight.data
-            module.weight_global_scale.data = generate_gparam(w.min(), w.max()).reshape(module.weight_global_scale.shape)
-            g = w.view(w.shape[0], -1, 16)
-            scale, _ = calculate_qparams(g.amin(-1), g.amax(-1), module.quantization_scheme.weights,
-                                         global_scale=module.weight_global_scale.data)  # fmt: skip
+        if hasattr(module, "weight_scale"):
+            w, args = module.weight.data, module.quantization_scheme.weights
+            gs = None
+            if hasattr(module, "weight_global_scale"):
+                gs = module.weight_global_scale.data = generate_gparam(w.min(), w.max()).reshape(module.weight_global_scale.shape)
+            g = w.view(w.shape[0], -1, args.group_size)
+            scale, _ = calculate_qparams(g.amin(-1), g.amax(-1), args, global_scale=gs)
             module.weight_scale.data = scale.reshape(module.weight_scale.shape).to(module.weight_scale.dtype)
     return _compress_and_save(model, fmt, source, out)
 
@@ -102,7 +103,8 @@ def package_dirs(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("ct-package")
     settings = {"w4g32": (4, 32, True), "w8ch": (8, -1, True), "w4g32-asym": (4, 32, False), "fp8": (8, -1, True, True)}
     dirs = {name: package_checkpoint(tiny_models("llama"), root / name, *s) for name, s in settings.items()}
-    return {**dirs, "nvfp4": package_nvfp4_checkpoint(tiny_models("llama"), root / "nvfp4")}
+    fp4 = {"nvfp4": ("NVFP4A16", "nvfp4-pack-quantized"), "mxfp4": ("MXFP4A16", "mxfp4-pack-quantized")}
+    return {**dirs, **{name: package_fp4_checkpoint(tiny_models("llama"), root / name, *s) for name, s in fp4.items()}}
 
 
 @pytest.mark.parametrize("name", ["w4g32", "w8ch"])
@@ -121,7 +123,7 @@ def test_package_written_checkpoint_gives_transformers_logits(package_dirs, name
     assert (got - expected).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("name", ["w4g32", "w8ch", "w4g32-asym", "fp8", "nvfp4"])
+@pytest.mark.parametrize("name", ["w4g32", "w8ch", "w4g32-asym", "fp8", "nvfp4", "mxfp4"])
 def test_package_written_weights_are_the_packages_decompressed_ones(package_dirs, name):
     """The package's own decompressor and llmopt's reader give the same weights (the scales are float32 here, so
     exactly; NVFP4's decompressor casts its float32 result to bfloat16, so ours rounded to bfloat16). Asymmetric
@@ -134,7 +136,7 @@ def test_package_written_weights_are_the_packages_decompressed_ones(package_dirs
     modules = sorted({k.rpartition(".")[0] for k in state if k.endswith(".weight_scale")})
     assert len(modules) == 14
     compressor = BaseCompressor.get_value_from_registry(config.format)
-    assert (compressor is PackedQuantizationCompressor) == (name not in ("fp8", "nvfp4"))
+    assert (compressor is PackedQuantizationCompressor) == (name not in ("fp8", "nvfp4", "mxfp4"))
     with open_model(out) as src:
         for module in modules:
             local = {k.rpartition(".")[2]: v for k, v in state.items() if k.rpartition(".")[0] == module}

@@ -28,6 +28,7 @@ from llmopt.model.packing import FP4_CODE_OFFSET as CODE_OFFSET
 from llmopt.model.packing import FP4_CODES as CODES
 from llmopt.model.packing import FP4_INDEX_OF_CODE as INDEX_OF_CODE
 from llmopt.model.packing import FP4_VALUES
+from llmopt.model.packing import e8m0_half_scale as half_scale  # ggml_e8m0_to_fp32_half
 from llmopt.quant.grids.layout import BlockGrid, BlockParams, to_rows
 from llmopt.quant.grids.numerics import blocks_major
 from llmopt.quantized_tensor import QuantizedTensor
@@ -47,11 +48,6 @@ def shared_exponent(amax: torch.Tensor) -> torch.Tensor:
     log2 = torch.log2(amax.to(torch.float64)).to(torch.float32).to(torch.float64)
     e = torch.floor(log2).to(torch.int64) + 125
     return torch.where(amax > 0, torch.remainder(e, 256), torch.zeros_like(e))
-
-
-def half_scale(e: torch.Tensor) -> torch.Tensor:
-    """ggml_e8m0_to_fp32_half: 2^(e - 128) as float32 (denormal for e < 2)."""
-    return torch.ldexp(torch.ones(e.shape, dtype=torch.float64), e.to(torch.float64) - 128).to(torch.float32)
 
 
 def nearest_codes(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -166,3 +162,9 @@ class MXFP4Grid(BlockGrid):
 
 MXFP4 = MXFP4Grid()
 NVFP4 = NVFP4Grid()
+
+
+def mxfp4_grid(module: str) -> MXFP4Grid:
+    """QuantizeSpec.grids of `--scheme mxfp4a16` (compressed-tensors' MXFP4 holds llama.cpp's MXFP4 blocks as they
+    are): the same grid for every module."""
+    return MXFP4

@@ -128,3 +128,46 @@ def test_fp8_package_decompresses_llmopts_weights_and_transformers_decodes_its_t
     with torch.no_grad():
         theirs = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, ids.shape[1]:].tolist()
     assert len(ours) == 32 and ours == theirs
+
+
+@pytest.fixture(scope="module")
+def smol_fp4(smollm2_hf, tmp_path_factory):
+    """SmolLM2 as `--scheme nvfp4a16` and `--scheme mxfp4a16` (round to nearest: no calibration, seconds)."""
+    from llmopt.api.quantize import quantize
+
+    root = tmp_path_factory.mktemp("smol-fp4")
+    for scheme in ("nvfp4a16", "mxfp4a16"):
+        quantize(str(smollm2_hf), root / scheme, scheme=scheme)
+    return root
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4a16", "mxfp4a16"])
+def test_fp4_package_and_transformers_hold_llmopts_weights(smol_fp4, scheme):
+    """Every linear: the package's NVFP4/MXFP4 decompressor and transformers (bfloat16: its FP4 weights are
+    bfloat16 on the CPU) hold llmopt's weights rounded to bfloat16 (MXFP4's are exact in bfloat16). Greedy tokens
+    are not compared: transformers runs the whole model in bfloat16, and on this prompt NVFP4's first two logits
+    tie there (27.625 both; 27.642 and 27.535 in float32 over the same weights)."""
+    import json
+
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+
+    out = smol_fp4 / scheme
+    config = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
+    (scheme_args,) = config.config_groups.values()
+    state = load_file(out / "model.safetensors")
+    modules = sorted({k.rpartition(".")[0] for k in state if k.endswith(".weight_packed")})
+    assert len(modules) == 30 * 7
+    compressor = BaseCompressor.get_value_from_registry(config.format)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))  # the first forward decompresses
+    with open_model(out) as src:
+        for module in modules:
+            ours = src.load(f"{module}.weight")
+            local = {k.rpartition(".")[2]: v for k, v in state.items() if k.rpartition(".")[0] == module}
+            assert torch.equal(compressor.decompress(local, scheme_args)["weight"], ours.to(torch.bfloat16)), module
+            assert torch.equal(model.get_submodule(module).weight, ours.to(torch.bfloat16)), module
+            if scheme == "mxfp4a16":
+                assert torch.equal(ours.to(torch.bfloat16).float(), ours), module

@@ -21,7 +21,8 @@ from llmopt.errors import InputError, OptionError
 from llmopt.eval import streamed
 from llmopt.eval.gates import NEEDS_REF, Gate, check_gates
 from llmopt.eval.pareto import Point, pareto_front, plot_kld_vs_size
-from llmopt.eval.perplexity import EvalResult, evaluate as score_loaded, score, token_windows
+from llmopt.eval.perplexity import (EvalResult, evaluate as score_loaded, final_hidden_states, head_log_probs,
+                                    in_batches, score, token_windows)
 from llmopt.model import ModelSource, TokenizerInfo, open_model
 from llmopt.options import EvalOptions
 from llmopt.runtime.weights import LoadedModel, check_readable, device_memory, head_tied, load_model, resolve_dtype
@@ -109,6 +110,12 @@ def _streams(models: Sequence[str | Path], ref: str | Path | LoadedModel | None,
     return weights > device_memory(device) * 3 // 4
 
 
+def _keeps_reference(reference: LoadedModel, windows: torch.Tensor) -> bool:
+    """Whether the reference's final hidden states over `windows` take at most 1/8 of the memory available."""
+    hidden = windows.numel() * reference.model.arch.hidden_size * reference.dtype.itemsize
+    return hidden <= device_memory(reference.device) // 8
+
+
 def _parameter_count(spec: str | Path) -> int:
     """Weights of a model as its files list them, each stored tensor once (a tied head is the embedding's):
     not the runtime model's parameters, which on CPU hold the linears' weights as buffers."""
@@ -118,16 +125,24 @@ def _parameter_count(spec: str | Path) -> int:
 
 def _loaded_rows(models: Sequence[str | Path], text: str, data: str | Path, ref: str | Path | LoadedModel | None,
                  o: EvalOptions, device: str, on_window: OnWindow | None) -> tuple[list[Row], list[int]]:  # fmt: skip
-    """Each model loaded whole in turn, against the reference loaded once."""
+    """Each model loaded whole in turn, against the reference loaded once. With several models, the
+    reference's final hidden states are computed once where they fit (`_keeps_reference`) and only its head
+    runs again per model."""
     reference = ref if ref is None or isinstance(ref, LoadedModel) else load_model(str(ref), o.dtype, device, o.keep_quantized)
-    rows, counts = [], []
+    rows, counts, kept = [], [], None
     for i, model in enumerate(models):
         target = load_model(str(model), o.dtype, device, o.keep_quantized)
         windows = _windows(text, o, (target.path, target.tokenizer, target.model.arch.vocab_size),
                            None if reference is None else (reference.path, reference.tokenizer, reference.model.arch.vocab_size))  # fmt: skip
         total = windows.shape[0]
-        result = score_loaded(target.model, windows, reference.model if reference else None, batch=o.batch,
-                              on_window=None if on_window is None else lambda w, i=i: on_window(i, w + 1, total))  # fmt: skip
+        progress = None if on_window is None else lambda w, i=i: on_window(i, w + 1, total)
+        if reference is not None and len(models) > 1 and _keeps_reference(reference, windows):
+            if kept is None or not torch.equal(kept[0], windows):
+                kept = (windows, final_hidden_states(reference.model, windows, o.batch))
+            refs = head_log_probs(reference.model.lm_head, kept[1])
+            result = score(windows, in_batches(target.model, windows, o.batch), refs, progress)
+        else:
+            result = score_loaded(target.model, windows, reference.model if reference else None, progress, o.batch)
         rows.append(_summary(result, o, target.path, reference.path if reference else None, data,
                              target.dtype, target.device, streamed=False))  # fmt: skip
         counts.append(_parameter_count(reference.path if reference else target.path))

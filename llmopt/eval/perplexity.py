@@ -67,8 +67,22 @@ def batch_log_probs(model: Decoder, windows: torch.Tensor) -> Iterator[torch.Ten
     device = next(model.parameters()).device
     with torch.inference_mode():
         hidden = model.hidden(windows.to(device))
+    yield from head_log_probs(model.lm_head, hidden)
+
+
+def head_log_probs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> Iterator[torch.Tensor]:
+    """`log_probs` of each window's final hidden states in `hidden` [n, ctx, hidden], one at a time."""
     for h in hidden:
-        yield log_probs(model.lm_head, h)
+        yield log_probs(head, h)
+
+
+@torch.inference_mode()
+def final_hidden_states(model: Decoder, windows: torch.Tensor, batch: int = 1) -> torch.Tensor:
+    """The final-norm hidden states of every window [n, ctx, hidden], `batch` windows per forward: kept for a
+    reference that several models are scored against, so its blocks run once (its head once per model)."""
+    device = next(model.parameters()).device
+    return torch.cat([model.hidden(windows[first:first + batch].to(device))
+                      for first in range(0, windows.shape[0], batch)])
 
 
 @torch.inference_mode()

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from llmopt.calibration.capture import embed
-from llmopt.eval.perplexity import log_probs
+from llmopt.eval.perplexity import head_log_probs
 from llmopt.model.decoder import RMSNorm, Rotary, load_block
 from llmopt.model.source import ModelSource
 
@@ -92,8 +92,7 @@ class Stream:
 
     def log_probs(self) -> Iterator[torch.Tensor]:
         """`perplexity.log_probs` of each window in turn ([ctx-1, V] float32, one at a time)."""
-        for h in self.hidden:
-            yield log_probs(self.head, h)
+        yield from head_log_probs(self.head, self.hidden)
 
 
 def stream(source: ModelSource, windows: torch.Tensor, head: str, dtype: torch.dtype, device: torch.device | str,

@@ -65,3 +65,25 @@ def test_smollm2_batched_equals_unbatched(smollm2_hf_f32):
     one = evaluate(loaded.model, windows)
     many = evaluate(loaded.model, windows, batch=4)
     assert many.perplexity == pytest.approx(one.perplexity, rel=1e-5)
+
+
+def test_several_models_share_one_reference_forward(tiny_models, tmp_path, monkeypatch):
+    """`eval A B --ref R` runs R's blocks once (its final hidden states kept) and its head per model; each model's
+    numbers are exactly those of evaluating it alone."""
+    import importlib
+
+    api = importlib.import_module("llmopt.api.evaluate")
+    from llmopt.model.decoder import Decoder as RuntimeDecoder
+
+    data = tmp_path / "corpus.txt"
+    data.write_text(CORPUS)
+    models, ref = [tiny_models("llama"), tiny_models("llama", True)], tiny_models("mistral")
+    alone = [api.evaluate(m, data, ctx=32, windows=3, ref=ref, batch=2, stream=False)[2] for m in models]
+    forwards = []
+    real = RuntimeDecoder.hidden
+    monkeypatch.setattr(RuntimeDecoder, "hidden", lambda self, *a, **k: forwards.append(self.arch.num_layers) or real(self, *a, **k))
+    together = [s for _, _, s in api.evaluate_files(models, data, ctx=32, windows=3, ref=ref, batch=2, stream=False)]
+    assert len(forwards) == 2 * 2 + 2  # each model's 2 batches, the reference's 2 once
+    for a, b in zip(alone, together, strict=True):
+        for key in ("perplexity", "ref_perplexity", "kl_divergence", "top1_agreement"):
+            assert a[key] == b[key], key

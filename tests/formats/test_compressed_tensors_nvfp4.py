@@ -202,3 +202,25 @@ def test_mxfp4a16_is_the_packages_layout_and_decompresses_to_our_weights(tiny_mo
             assert torch.equal(MXFP4PackedCompressor.decompress(local, scheme)["weight"].float(), ours), module
             assert torch.equal(ours, MXFP4.quantize(src.load(f"{module}.weight")).dequantize()), module
             assert torch.equal(ref.get_submodule(module).weight.float(), ours), module
+
+
+def test_gptq_onto_nvfp4_keeps_one_global_scale_per_fused_stage(tiny_models, tmp_path, llmopt_here):
+    """`--scheme nvfp4a16 --method gptq`: GPTQ rounds onto the NVFP4 grid (its scales chosen up front from the stage's
+    weights, stacked, so q/k/v and gate/up share their global scale); the package decompresses it to our weights."""
+    (tmp_path / "calib.txt").write_text("\n".join(CORPUS))
+    out = tmp_path / "gptq"
+    result = llmopt_here("quantize", tiny_models("llama"), "--scheme", "nvfp4a16", "--method", "gptq", "--calib",
+                         tmp_path / "calib.txt", "--nsamples", "4", "--seqlen", "32", "-o", out)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    config = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
+    (scheme,) = config.config_groups.values()
+    state = load_file(out / "model.safetensors")
+    for layer in range(2):
+        for fused in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
+            assert len({float(state[f"model.layers.{layer}.{m}.weight_global_scale"]) for m in fused}) == 1
+    modules = sorted({k.rpartition(".")[0] for k in state if k.endswith(".weight_packed")})
+    with open_model(out) as q:
+        for module in modules:
+            local = {k.rpartition(".")[2]: v for k, v in state.items() if k.rpartition(".")[0] == module}
+            theirs = NVFP4PackedCompressor.decompress(local, scheme)["weight"]
+            assert torch.equal(theirs, q.load(f"{module}.weight").to(torch.bfloat16)), module

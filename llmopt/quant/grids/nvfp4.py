@@ -27,8 +27,8 @@ from llmopt.quantized_tensor import QuantizedTensor
 
 FP4_MAX = 6.0
 ZERO_SCALE = 0.125  # compressed-tensors' stand-in for an e4m3 group scale of 0
-_TIE_DOWN = (0.25, 1.25, 2.5, 5.0)  # midpoints that round to the smaller magnitude (its mantissa even)
-_TIE_UP = (0.75, 1.75, 3.5)  # ... and to the larger one
+_TIE_DOWN = torch.tensor([0.25, 1.25, 2.5, 5.0])  # midpoints that round to the smaller magnitude (its mantissa even)
+_TIE_UP = torch.tensor([0.75, 1.75, 3.5])  # ... and to the larger one
 _DOUBLED = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12], dtype=torch.float32)  # the magnitudes' codes − 128, by rank
 
 
@@ -36,11 +36,11 @@ _DOUBLED = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12], dtype=torch.float32)  # the m
 class NVFP4Params:
     group_scale: torch.Tensor  # float32 values of e4m3 [rows, groups]
     global_scale: torch.Tensor  # float32 [1, 1]
+    scale: torch.Tensor  # the codes' scale, (s8 / g) / 2 [rows, groups]: `nvfp4_scales`
 
-    @property
-    def scale(self) -> torch.Tensor:
-        """The codes' scale, (s8 / g) / 2 [rows, groups]."""
-        return nvfp4_scales(self.group_scale, self.global_scale)
+    @staticmethod
+    def of(group_scale: torch.Tensor, global_scale: torch.Tensor) -> NVFP4Params:
+        return NVFP4Params(group_scale, global_scale, nvfp4_scales(group_scale, global_scale))
 
 
 def global_scale(w: torch.Tensor) -> torch.Tensor:
@@ -51,8 +51,8 @@ def global_scale(w: torch.Tensor) -> torch.Tensor:
 
 def nearest_codes(a: torch.Tensor) -> torch.Tensor:
     """The codes of the E2M1 values nearest a (already divided by its scale; clamped to ±6), ties to even."""
-    m = a.abs()
-    rank = sum((m > t).to(torch.int64) for t in _TIE_DOWN) + sum((m >= t).to(torch.int64) for t in _TIE_UP)
+    m = a.abs()  # its rank among the magnitudes: the midpoints below it, ties down or up as each midpoint says
+    rank = torch.bucketize(m, _TIE_DOWN.to(m.device)) + torch.bucketize(m, _TIE_UP.to(m.device), right=True)
     v = _DOUBLED.to(a.device)[rank]
     return (torch.where(a < 0, -v, v) + FP4_CODE_OFFSET).to(torch.uint8)
 
@@ -77,12 +77,12 @@ class NVFP4TensorGroupGrid:
         g = global_scale(w)
         amax = w.reshape(w.shape[0], -1, self.group_size).abs().amax(dim=-1)
         s8 = (g * (amax / FP4_MAX)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
-        return NVFP4Params(torch.where(s8 == 0, torch.full_like(s8, ZERO_SCALE), s8), g)
+        return NVFP4Params.of(torch.where(s8 == 0, torch.full_like(s8, ZERO_SCALE), s8), g)
 
     def round(self, x: torch.Tensor, p: NVFP4Params, j: int = 0) -> torch.Tensor:
         """Column j's codes, x [rows] (or every column: x [rows, cols])."""
-        d = p.group_scale / p.global_scale  # the dequantizer's float32 scale
-        d = d[:, j // self.group_size] if x.dim() == 1 else d.repeat_interleave(self.group_size, dim=1)
+        # the dequantizer's float32 scale s8 / g (the codes' scale doubled: halving and doubling are exact)
+        d = p.scale[:, j // self.group_size] * 2 if x.dim() == 1 else (p.scale * 2).repeat_interleave(self.group_size, dim=1)
         return nearest_codes((x.to(torch.float32) / d).clamp(-FP4_MAX, FP4_MAX))
 
     def value(self, q: torch.Tensor, p: NVFP4Params, j: int = 0) -> torch.Tensor:

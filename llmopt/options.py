@@ -243,6 +243,11 @@ class QuantizeOptions(CalibrationOptions, RoundingOptions, AutomixOptions, Shard
                              "weights.", choices=CHECKPOINT_FORMATS, flags=("--format",),
                              recipe="format", show_default=False)  # fmt: skip
     quantize_head: bool = option(False, "Quantize the LM head too (embeddings and norms never are).")
+    iters: int = option(0, "Learned rounding: after the method, tune each block's codes and group scales for this many "
+                        "signed-gradient steps against the float block's output (SignRound); 0 = off. Integer grid "
+                        "only (not --scheme).", ge=0, le=100_000, hint="choose 0 (off) or a number of steps")  # fmt: skip
+    lr: float | None = option(None, "Learned rounding's step size (default 1/--iters), falling linearly to 0.", gt=0, le=1,
+                              hint="choose a step size in (0, 1]", show_default=False)  # fmt: skip
     scheme: str | None = option(None, "fp8-dynamic: float8 e4m3 weights with a float32 scale per output channel, "
                                 "activations quantized per token at run time (vLLM's FP8 W8A8); fp8: the same weights, "
                                 "activations with one static scale per linear from --calib; nvfp4a16: FP4 (e2m1) "
@@ -262,7 +267,7 @@ class QuantizeOptions(CalibrationOptions, RoundingOptions, AutomixOptions, Shard
     def calibrated(self) -> bool:
         """Whether quantize reads calibration data: a calibrated method, or a scheme whose activation scales are
         static (measured on the calibration tokens)."""
-        return self.method_name != "rtn" or self.scheme in CALIBRATED_SCHEMES
+        return self.method_name != "rtn" or self.scheme in CALIBRATED_SCHEMES or self.iters > 0
 
     @property
     def format_name(self) -> str:

@@ -173,7 +173,7 @@ def quantize(model: str | Path, output: str | Path, options: QuantizeOptions | N
 def calibrate(source: ModelSource, spec: QuantizeSpec, cfg: CalibConfig | None, device: torch.device,
               on_step: Callable[[int, int], None] | None = None) -> tuple[torch.Tensor | None, dict[str, Any] | None]:  # fmt: skip
     """The calibration tokens a calibrated method needs (None for RTN), and what to record about them."""
-    if cfg is None or not spec.method.build().calibrated:
+    if cfg is None or not spec.calibrated:
         return None, None
     return load_calibration(source, cfg, device, spec.act_dtype, on_step)
 
@@ -184,6 +184,9 @@ def provenance(spec: QuantizeSpec, calib_info: dict[str, Any] | None) -> dict[st
     out: dict[str, Any] = {"method": built.name, "calibration": calib_info}
     if built.calibrated:
         out[built.name] = {**built.provenance(), "calib_dtype": str(spec.act_dtype).removeprefix("torch.")}
+    if spec.tune is not None:
+        t = spec.tune
+        out["tune"] = {"iters": t.iters, "lr": t.rate, "batch_size": t.batch_size, "seed": t.seed}
     return out
 
 

@@ -46,7 +46,7 @@ def run_key(source: ModelSource, spec: QuantizeSpec, tokens: torch.Tensor, devic
     described = {
         "llmopt": llmopt.__version__,
         "files": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files],
-        "method": repr(spec.method),
+        "method": repr(spec.method), "tune": repr(spec.tune),
         "grids": [grid_identity(spec.grid_for(m)) for m in quantized_modules(source, spec)],
         "dynamic": sorted(spec.dynamic.items()),
         "batch": spec.batch_size, "act_dtype": str(spec.act_dtype), "head": spec.quantize_head,

@@ -44,6 +44,7 @@ from llmopt.quant.method import BlockAccess, Collector, Method, MethodConfig, Qu
 from llmopt.quant.metrics import weight_error
 from llmopt.quant.rtn import RTN, RTNConfig
 from llmopt.quant.staged import StagedForward
+from llmopt.quant.tune import TuneConfig, block_forward, tunable, tune_block
 from llmopt.options import QuantizeOptions
 from llmopt.quantized_tensor import QuantizedTensor
 
@@ -61,6 +62,12 @@ class QuantizeSpec:
     grids: Callable[[str], Grid] | None = None  # the grid of each module (HF name); default: the method's own
     # Per-module (bits, group_size) on the method's integer grid (GPTQModel's `dynamic`): the automatic mix.
     dynamic: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    tune: TuneConfig | None = None  # learned rounding of each block after the method (quant/tune.py)
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the pipeline runs the calibration forward: a calibrated method, or tuning."""
+        return self.tune is not None or self.method.build().calibrated
 
     def grid_for(self, module: str) -> Grid:
         if self.grids is not None:
@@ -129,11 +136,11 @@ def quantize_model(source: ModelSource, spec: QuantizeSpec, tokens: torch.Tensor
     and starts from `start` (a killed run's last progress) instead of the first block."""
     device = torch.device(device)
     method: Method = spec.method.build()
-    if not method.calibrated:
+    if not method.calibrated and spec.tune is None:
         yield from _weight_only(source, spec, method, device)
         return
     if tokens is None:
-        raise ValueError(f"{method.name} needs calibration tokens")
+        raise ValueError(f"{method.name}{' with tuning' if spec.tune else ''} needs calibration tokens")
     yield from _calibrated(source, spec, method, tokens, device, start, on_progress or (lambda r, p: None))
 
 
@@ -222,7 +229,7 @@ def _calibrated(source: ModelSource, spec: QuantizeSpec, method: Method, tokens:
         norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.family.norm_shift).to(device)
         norm.weight.data = source.load("model.norm.weight", dtype=torch.float32).to(device)
         stats = method.collector(arch.hidden_size, device)
-        for s in chunks:
+        for s in chunks if stats is not None else ():  # (round to nearest reached here only to tune the blocks)
             stats.add(norm(x[s]), None if x_fp is None else norm(x_fp[s]))
         result = _head(source, spec, method, device, stats)
         on_progress(result, Progress(arch.num_layers + 1, x, x_fp))
@@ -244,8 +251,13 @@ def _calibrated_block(source: ModelSource, spec: QuantizeSpec, method: Method, l
         return run(x[chunks[i]], cos, sin)
 
     experts = source.arch.family.experts
+    if spec.tune is not None:  # what tuning fits to: the float block's outputs on this block's inputs
+        x_in, targets = x.clone(), torch.empty_like(x)
+        for i in range(len(chunks)):
+            targets[chunks[i]] = forward(i)
     if hasattr(method, "block_collector"):  # a method that changes the block first (AWQ)
         _transform(block, run, layer, source, spec, method, forward, len(chunks), result)
+    floats = {lin: block.get_submodule(lin).weight.data.clone() for s in stages for lin in s.linears} if spec.tune else {}
     fp_inputs = _stage_inputs(run, stages, x_fp, chunks, cos, sin) if x_fp is not None else None
 
     if not method.stage_statistics:  # rounding needs no statistics of the stages' inputs: no staged pass
@@ -280,8 +292,35 @@ def _calibrated_block(source: ModelSource, spec: QuantizeSpec, method: Method, l
             for i, out in staged.outputs():  # the block's outputs with every weight quantized
                 x[chunks[i]] = out
         _warn_routed(layer, routed, x.shape[-1])
+    if spec.tune is not None:
+        _tune(block, run, layer, source, spec, floats, x_in, targets, result)
+        for i in range(len(chunks)):  # the block's outputs with the tuned weights
+            x[chunks[i]] = run(x_in[chunks[i]], cos, sin)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _tune(block: nn.Module, run: nn.Module, layer: int, source: ModelSource, spec: QuantizeSpec,
+          floats: dict[str, torch.Tensor], x_in: torch.Tensor, targets: torch.Tensor, result: BlockResult) -> None:  # fmt: skip
+    """Learned rounding of the block's integer-grid linears from the method's results (quant/tune.py); the
+    tuned codes replace the results, their reports and the weights of the block and its forward copy."""
+    prefix = f"model.layers.{layer}."
+    device = x_in.device
+    start = {name.removeprefix(prefix): qt.to(device) for name, qt in result.tensors.items()
+             if name.startswith(prefix) and tunable(qt)}  # fmt: skip
+    if not start:
+        return
+    cos, sin = Rotary(source.arch).to(device)(0, x_in.shape[1], torch.float32)
+    tuned, details = tune_block(block, floats, start, block_forward(x_in, cos, sin), targets, spec.tune, layer)
+    reports = {r.name: r for r in result.reports}
+    for lin, qt in tuned.items():
+        name = prefix + lin
+        deq = qt.dequantize(torch.float32)
+        result.tensors[name] = qt.to("cpu")
+        reports[name].metrics = weight_error(floats[lin], deq)
+        reports[name].details.update(details)
+        for module in {block.get_submodule(lin), run.get_submodule(lin)}:
+            module.weight.data = deq.to(module.weight.dtype)
 
 
 ROUND_TO_NEAREST = RTN(RTNConfig())  # rounds onto each module's own grid (the config's grid is not used)

@@ -19,6 +19,7 @@ from llmopt.quant.grids.fp4 import MXFP4, mxfp4_grid
 from llmopt.quant.grids.nvfp4 import NVFP4, nvfp4_grid
 from llmopt.quant.pipeline import QuantizeSpec, head_weight_name
 from llmopt.quant.rtn import RTNConfig
+from llmopt.quant.tune import TuneConfig
 
 # each `--scheme`'s grid for every linear, and the (bits, group size) a method config states for it
 SCHEME_GRIDS = {"fp8-dynamic": (fp8_grid, 8, -1), "fp8": (fp8_grid, 8, -1), "nvfp4a16": (nvfp4_grid, 4, NVFP4.group_size),
@@ -45,6 +46,12 @@ def build_spec(o: QuantizeOptions, method: str, sym: bool, *, act_dtype: torch.d
     if not o.clip and not method.startswith("awq"):
         raise OptionError("turning off <clip> (AWQ's clipping search) applies to <method> awq and awq+gptq")
     common = dict(quantize_head=o.quantize_head, batch_size=o.batch_size, act_dtype=act_dtype)
+    if o.iters:
+        if o.scheme is not None:
+            raise OptionError(f"<iters> (learned rounding) tunes the integer grid; <scheme> {o.scheme}'s float grid is not")
+        common["tune"] = TuneConfig(o.iters, o.lr, o.batch_size, o.seed)
+    elif o.lr is not None:
+        raise OptionError("<lr> is learned rounding's step size: it needs <iters> > 0")
     if o.scheme is not None:
         return _scheme_spec(o, method, common)
     if not gptq_rounding:

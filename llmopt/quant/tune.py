@@ -1,0 +1,177 @@
+"""Learned rounding: each block's codes and group scales tuned against the float block's output.
+
+A method (RTN, GPTQ, AWQ, AWQ+GPTQ) rounds each linear on its own, against its own layer's error.
+Tuning then looks at the whole block: for every integer-grid linear it learns an offset per weight
+(`v`, within half a code) and a gain per group scale, and keeps the pair that makes the block's
+output closest to the float block's (mean squared error over the calibration tokens). The steps
+are signed gradient steps with a learning rate that falls linearly to zero (SignRound, Cheng et
+al. 2023), through a straight-through rounding:
+
+    q = clamp(round(w / (s·(1+g)) + z + d0 + v), 0, 2**bits - 1),   ŵ = (q - z)·s·(1+g)
+
+`d0` is where the method's own codes sit (q0 - w/s - z), so v = 0, g = 0 is exactly the method's
+answer: tuning starts from GPTQ's or AWQ's result, not from round-to-nearest (with RTN it is
+AutoRound's start). Of the offsets after the last step and those with the lowest step loss, the
+ones with the lower error over all the calibration tokens are kept, and only where that error is
+below the method's: tuning never makes a block worse on them than the method it starts from.
+Steps draw `batch_size` samples from a generator seeded with (`seed`, block index): the same seed,
+the same codes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from llmopt.quantized_tensor import QuantizedTensor
+
+GAIN_RANGE = (-0.5, 0.2)  # a group's scale may shrink to half (clipping) or grow by a fifth
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """Learned rounding's options (QuantizeOptions.iters, lr, batch_size, seed)."""
+
+    iters: int = 200
+    lr: float | None = None  # None: 1 / iters (AutoRound's default)
+    batch_size: int = 8  # calibration samples per step
+    seed: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.lr if self.lr is not None else 1.0 / self.iters
+
+
+@dataclass
+class _Linear:
+    """One linear's tuning state: its float weight, the method's result and the learned offsets."""
+
+    weight: torch.Tensor  # float32 [out, in], what the method rounded
+    start: QuantizedTensor
+    scale: torch.Tensor  # float32 [out or 1, groups]
+    zero: torch.Tensor  # float32, broadcast like `scale`
+    columns: torch.Tensor  # [in] group of each column
+    offset: torch.Tensor  # d0: the method's codes relative to w / s + z
+    v: torch.Tensor  # learned rounding offset, [-0.5, 0.5]
+    gain: torch.Tensor  # learned scale gain per group
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, start: QuantizedTensor) -> _Linear:
+        scale = start.scales.to(torch.float32)
+        zero = (start.zeros.to(torch.float32) if start.zeros is not None
+                else torch.full_like(scale, float(1 << (start.bits - 1))))  # fmt: skip
+        columns = start.group_index()
+        s, z = scale[:, columns], zero[:, columns]
+        offset = start.codes.to(torch.float32) - (weight / s + z)
+        v = torch.zeros_like(weight, requires_grad=True)
+        gain = torch.zeros_like(scale, requires_grad=True)
+        return cls(weight, start, scale, zero, columns, offset, v, gain)
+
+    def codes(self, scale: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Codes (float, straight-through rounded) for per-column `scale` and offsets `v`."""
+        x = self.weight / scale + self.zero[:, self.columns] + self.offset + v
+        return torch.clamp(x + (torch.round(x) - x).detach(), 0, (1 << self.start.bits) - 1)
+
+    def dequantized(self) -> torch.Tensor:
+        """ŵ with the current offsets and gains, differentiable in both."""
+        scale = (self.scale * (1 + self.gain))[:, self.columns]
+        return (self.codes(scale, self.v) - self.zero[:, self.columns]) * scale
+
+    def result(self) -> QuantizedTensor:
+        """The tuned codes on the scales a checkpoint stores (float16-exact, as the method's were)."""
+        with torch.no_grad():
+            scale = (self.scale * (1 + self.gain)).to(torch.float16).to(torch.float32).clamp(min=2.0**-24)
+            codes = self.codes(scale[:, self.columns], self.v)
+        return dataclasses.replace(self.start, codes=codes.to(self.start.codes.dtype), scales=scale)
+
+    def step(self, rate: float) -> None:
+        """One signed gradient step, offsets and gains kept in their ranges."""
+        with torch.no_grad():
+            for p, (lo, hi) in ((self.v, (-0.5, 0.5)), (self.gain, GAIN_RANGE)):
+                if p.grad is not None:
+                    p.sub_(rate * torch.sign(p.grad)).clamp_(lo, hi)
+                    p.grad = None
+
+    def state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.v.detach().clone(), self.gain.detach().clone()
+
+    def restore(self, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        with torch.no_grad():
+            self.v.copy_(state[0])
+            self.gain.copy_(state[1])
+
+
+def tunable(qt: QuantizedTensor) -> bool:
+    """Whether learned rounding applies to a result: the integer grid (GPTQ/AWQ/compressed-tensors int)."""
+    return qt.grid == "int" and qt.mins is None and not qt.aux
+
+
+def tune_block(block: nn.Module, weights: dict[str, torch.Tensor], start: dict[str, QuantizedTensor],
+               forward: Callable[[nn.Module, dict[str, torch.Tensor], slice], torch.Tensor],
+               targets: torch.Tensor, config: TuneConfig, layer: int) -> tuple[dict[str, QuantizedTensor], dict[str, float]]:  # fmt: skip
+    """Tune the linears of one block (block-relative name -> float weight, and the method's result).
+
+    `forward(block, weights, samples)` runs the block on calibration samples with the given linear
+    weights; `targets` [n, t, hidden] is the float block's output. Returns the tuned results (or the
+    start, where tuning did not lower the error over every sample) and the block's losses."""
+    linears = {name: _Linear.of(weights[name], start[name]) for name in start}
+    n = targets.shape[0]
+    batch = min(config.batch_size, n)
+    generator = torch.Generator().manual_seed(config.seed * 1_000_003 + layer)
+
+    def loss(samples: slice | torch.Tensor) -> torch.Tensor:
+        out = forward(block, {f"{name}.weight": lin.dequantized() for name, lin in linears.items()}, samples)
+        return torch.nn.functional.mse_loss(out.to(torch.float32), targets[samples])
+
+    before = whole_with(block, forward, targets, start, batch)
+    best, best_state = float("inf"), None
+    with torch.enable_grad():
+        for it in range(config.iters):
+            samples = torch.randperm(n, generator=generator)[:batch]
+            value = loss(samples)
+            if float(value.detach()) < best:  # the offsets that gave this loss, before the step moves them
+                best, best_state = float(value.detach()), {name: lin.state() for name, lin in linears.items()}
+            value.backward()
+            rate = config.rate * (1 - it / config.iters)
+            for lin in linears.values():
+                lin.step(rate)
+    # the offsets after the last step, and those of the lowest step loss (a loss on a few samples):
+    # whichever gives the lower error over every sample, if lower than the method's own
+    chosen, after = dict(start), before
+    for state in (None, best_state):
+        if state is not None:
+            for name, lin in linears.items():
+                lin.restore(state[name])
+        tuned = {name: lin.result() for name, lin in linears.items()}
+        error = whole_with(block, forward, targets, tuned, batch)
+        if error < after:
+            chosen, after = tuned, error
+    details = {"tune_loss_start": before, "tune_loss": after, "tune_kept": float(after < before)}
+    return chosen, details
+
+
+def whole_with(block: nn.Module, forward: Callable, targets: torch.Tensor, results: dict[str, QuantizedTensor],
+               batch: int) -> float:  # fmt: skip
+    """The block's mean squared error over every sample with these results' dequantized weights."""
+    n = targets.shape[0]
+    weights = {f"{name}.weight": qt.dequantize(torch.float32) for name, qt in results.items()}
+    total = 0.0
+    with torch.no_grad():
+        for i in range(0, n, batch):
+            s = slice(i, min(i + batch, n))
+            total += float(torch.nn.functional.mse_loss(forward(block, weights, s).to(torch.float32), targets[s])) * (s.stop - s.start)
+    return total / n
+
+
+def block_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Callable:
+    """`forward` for `tune_block`: the block on samples of `x` with its linears' weights replaced."""
+
+    def forward(block: nn.Module, weights: dict[str, torch.Tensor], samples: slice | torch.Tensor) -> torch.Tensor:
+        return functional_call(block, weights, (x[samples], cos, sin))
+
+    return forward

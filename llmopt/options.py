@@ -193,7 +193,12 @@ class RoundingOptions(Options):
     gptaq: float = option(0.0, "GPTQ: pull each layer toward the full-precision model's output (GPTAQ / GPTQ v2), "
                           "strength in (0, 1]; 0 = off.", ge=0, le=1, hint="choose a strength in [0, 1] (0 = off)")  # fmt: skip
     clip: bool = option(True, "AWQ: search a clipping range per group (AutoAWQ's); --no-clip skips it.", flags=("--clip/--no-clip",))
-    batch_size: int = option(8, "Calibration samples per forward pass.", ge=1, le=4096, hint="must be positive")
+    batch_size: int = option(8, "Calibration samples per forward pass (and per learned-rounding step).", ge=1, le=4096, hint="must be positive")
+    iters: int = option(0, "Learned rounding: after the method, tune each block's codes and group scales for this many "
+                        "signed-gradient steps against the float block's output (SignRound); 0 = off. Linears on "
+                        "evenly spaced grids (integer, GGUF legacy and K types); not --scheme.", ge=0, le=100_000, hint="choose 0 (off) or a number of steps")  # fmt: skip
+    lr: float | None = option(None, "Learned rounding's step size (default 1/--iters), falling linearly to 0.", gt=0, le=1,
+                              hint="choose a step size in (0, 1]", show_default=False)  # fmt: skip
 
 
 @_options
@@ -243,11 +248,6 @@ class QuantizeOptions(CalibrationOptions, RoundingOptions, AutomixOptions, Shard
                              "weights.", choices=CHECKPOINT_FORMATS, flags=("--format",),
                              recipe="format", show_default=False)  # fmt: skip
     quantize_head: bool = option(False, "Quantize the LM head too (embeddings and norms never are).")
-    iters: int = option(0, "Learned rounding: after the method, tune each block's codes and group scales for this many "
-                        "signed-gradient steps against the float block's output (SignRound); 0 = off. Integer grid "
-                        "only (not --scheme).", ge=0, le=100_000, hint="choose 0 (off) or a number of steps")  # fmt: skip
-    lr: float | None = option(None, "Learned rounding's step size (default 1/--iters), falling linearly to 0.", gt=0, le=1,
-                              hint="choose a step size in (0, 1]", show_default=False)  # fmt: skip
     scheme: str | None = option(None, "fp8-dynamic: float8 e4m3 weights with a float32 scale per output channel, "
                                 "activations quantized per token at run time (vLLM's FP8 W8A8); fp8: the same weights, "
                                 "activations with one static scale per linear from --calib; nvfp4a16: FP4 (e2m1) "

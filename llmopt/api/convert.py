@@ -83,8 +83,11 @@ def prepare_gguf(options: GgufOptions, device: torch.device, output: str | Path 
     overrides = parse_overrides(options.tensor_types)
     target = _Target.of(options, output)
     spec = calibration = None
+    if options.method is None and (options.iters or options.lr is not None):
+        raise OptionError("<iters> and <lr> (learned rounding) tune what a calibrated <method> rounded: give <method>")
     if options.method is not None:
-        rounding = QuantizeOptions.of(**{d.name: getattr(options, d.name) for d in RoundingOptions.declared()})
+        rounding = QuantizeOptions.of(**{d.name: getattr(options, d.name) for d in RoundingOptions.declared()},
+                                      seed=options.seed)  # (learned rounding draws its steps with the calibration's seed)
         spec = build_spec(rounding, options.method, default_sym(options.method),
                           act_dtype=resolve_calib_dtype(options.calib_dtype, device))  # fmt: skip
         calibration = calibration_config(options, options.nsamples)

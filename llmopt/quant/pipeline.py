@@ -307,7 +307,7 @@ def _tune(block: nn.Module, run: nn.Module, layer: int, source: ModelSource, spe
     prefix = f"model.layers.{layer}."
     device = x_in.device
     start = {name.removeprefix(prefix): qt.to(device) for name, qt in result.tensors.items()
-             if name.startswith(prefix) and tunable(qt)}  # fmt: skip
+             if name.startswith(prefix) and tunable(spec.grid_for(name))}  # fmt: skip
     if not start:
         return
     cos, sin = Rotary(source.arch).to(device)(0, x_in.shape[1], torch.float32)

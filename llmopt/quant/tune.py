@@ -1,17 +1,21 @@
 """Learned rounding: each block's codes and group scales tuned against the float block's output.
 
 A method (RTN, GPTQ, AWQ, AWQ+GPTQ) rounds each linear on its own, against its own layer's error.
-Tuning then looks at the whole block: for every integer-grid linear it learns an offset per weight
-(`v`, within half a code) and a gain per group scale, and keeps the pair that makes the block's
-output closest to the float block's (mean squared error over the calibration tokens). The steps
+Tuning then looks at the whole block: for every linear on an evenly spaced grid (`tunable`) it
+learns an offset per weight (`v`, within half a code) and, where the format stores scales as
+floats (the integer grid), a gain per group scale, and keeps those that make the block's output
+closest to the float block's (mean squared error over the calibration tokens). The steps
 are signed gradient steps with a learning rate that falls linearly to zero (SignRound, Cheng et
 al. 2023), through a straight-through rounding:
 
     q = clamp(round(w / (s·(1+g)) + z + d0 + v), 0, 2**bits - 1),   ŵ = (q - z)·s·(1+g)
 
-`d0` is where the method's own codes sit (q0 - w/s - z), so v = 0, g = 0 is exactly the method's
-answer: tuning starts from GPTQ's or AWQ's result, not from round-to-nearest (with RTN it is
-AutoRound's start). Of the offsets after the last step and those with the lowest step loss, the
+`d0` moves each weight by whole codes from where round-to-nearest puts it to the method's own
+code, keeping its distance to the nearest rounding boundary: v = 0, g = 0 is exactly the method's
+answer (tuning starts from GPTQ's or AWQ's result; with RTN it is AutoRound's start), and a weight
+that sat near a boundary is as easy to move across it as in SignRound. (Starting each weight at the
+centre of its code instead, d0 = q0 − w/s − z, would put every code half a step from a boundary:
+offsets within half a step could never move one.) Of the offsets after the last step and those with the lowest step loss, the
 ones with the lower error over all the calibration tokens are kept, and only where that error is
 below the method's: tuning never makes a block worse on them than the method it starts from.
 Steps draw `batch_size` samples from a generator seeded with (`seed`, block index): the same seed,
@@ -28,6 +32,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from llmopt.quant.grids import Grid
 from llmopt.quantized_tensor import QuantizedTensor
 
 GAIN_RANGE = (-0.5, 0.2)  # a group's scale may shrink to half (clipping) or grow by a fifth
@@ -63,18 +68,25 @@ class _Linear:
     @classmethod
     def of(cls, weight: torch.Tensor, start: QuantizedTensor) -> _Linear:
         scale = start.scales.to(torch.float32)
-        zero = (start.zeros.to(torch.float32) if start.zeros is not None
-                else torch.full_like(scale, float(1 << (start.bits - 1))))  # fmt: skip
+        if start.mins is not None:  # ŵ = q·s − m: the zero point m/s (a sub-block with s = 0 keeps its codes)
+            zero = torch.where(scale != 0, start.mins.to(torch.float32) / scale, torch.zeros_like(scale))
+        elif start.zeros is not None:
+            zero = start.zeros.to(torch.float32)
+        else:
+            zero = torch.full_like(scale, float(1 << (start.bits - 1)))
         columns = start.group_index()
-        s, z = scale[:, columns], zero[:, columns]
-        offset = start.codes.to(torch.float32) - (weight / s + z)
+        s = scale[:, columns]
+        u = weight / torch.where(s != 0, s, 1.0) + zero[:, columns]  # where each weight sits between codes
+        # the method's code, each weight keeping its distance to the nearest rounding boundary (nudged off a tie)
+        offset = start.codes.to(torch.float32) - torch.round(u) - (u - torch.round(u)) + (u - torch.round(u)).clamp(-0.49, 0.49)
         v = torch.zeros_like(weight, requires_grad=True)
-        gain = torch.zeros_like(scale, requires_grad=True)
+        # a scale a checkpoint stores as a float16 may change; GGUF types store theirs as sub-scale codes
+        gain = torch.zeros_like(scale, requires_grad=start.grid == "int")
         return cls(weight, start, scale, zero, columns, offset, v, gain)
 
     def codes(self, scale: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Codes (float, straight-through rounded) for per-column `scale` and offsets `v`."""
-        x = self.weight / scale + self.zero[:, self.columns] + self.offset + v
+        x = self.weight / torch.where(scale != 0, scale, 1.0) + self.zero[:, self.columns] + self.offset + v
         return torch.clamp(x + (torch.round(x) - x).detach(), 0, (1 << self.start.bits) - 1)
 
     def dequantized(self) -> torch.Tensor:
@@ -83,17 +95,22 @@ class _Linear:
         return (self.codes(scale, self.v) - self.zero[:, self.columns]) * scale
 
     def result(self) -> QuantizedTensor:
-        """The tuned codes on the scales a checkpoint stores (float16-exact, as the method's were)."""
+        """The tuned codes on the scales the format stores (the integer grid's float16-exact, as the method's
+        were; a GGUF type's unchanged)."""
         with torch.no_grad():
-            scale = (self.scale * (1 + self.gain)).to(torch.float16).to(torch.float32).clamp(min=2.0**-24)
+            scale = self.scale * (1 + self.gain)
+            if self.gain.requires_grad:
+                scale = scale.to(torch.float16).to(torch.float32).clamp(min=2.0**-24)
             codes = self.codes(scale[:, self.columns], self.v)
+        if not self.gain.requires_grad:
+            return dataclasses.replace(self.start, codes=codes.to(self.start.codes.dtype))
         return dataclasses.replace(self.start, codes=codes.to(self.start.codes.dtype), scales=scale)
 
     def step(self, rate: float) -> None:
         """One signed gradient step, offsets and gains kept in their ranges."""
         with torch.no_grad():
             for p, (lo, hi) in ((self.v, (-0.5, 0.5)), (self.gain, GAIN_RANGE)):
-                if p.grad is not None:
+                if p.grad is not None:  # (a gain that is not learned has none)
                     p.sub_(rate * torch.sign(p.grad)).clamp_(lo, hi)
                     p.grad = None
 
@@ -106,9 +123,10 @@ class _Linear:
             self.gain.copy_(state[1])
 
 
-def tunable(qt: QuantizedTensor) -> bool:
-    """Whether learned rounding applies to a result: the integer grid (GPTQ/AWQ/compressed-tensors int)."""
-    return qt.grid == "int" and qt.mins is None and not qt.aux
+def tunable(grid: Grid) -> bool:
+    """Whether learned rounding applies to a linear's grid: evenly spaced codes (the integer grid of
+    GPTQ/AWQ/compressed-tensors checkpoints, GGUF's legacy and K types; not codebooks, lattices, FP4/FP8)."""
+    return bool(getattr(grid, "uniform", False))
 
 
 def tune_block(block: nn.Module, weights: dict[str, torch.Tensor], start: dict[str, QuantizedTensor],
@@ -151,7 +169,7 @@ def tune_block(block: nn.Module, weights: dict[str, torch.Tensor], start: dict[s
         error = whole_with(block, forward, targets, tuned, batch)
         if error < after:
             chosen, after = tuned, error
-    details = {"tune_loss_start": before, "tune_loss": after, "tune_kept": float(after < before)}
+    details = {"tune_start_mse": before, "tune_mse": after, "tune_kept": float(after < before)}
     return chosen, details
 
 

@@ -137,3 +137,9 @@ def test_method_applies_to_gguf_only(llmopt_here, wide_hf: Path, tmp_path: Path)
     res = llmopt_here("convert", wide_hf, "--to", "hf", "-o", tmp_path / "hf", "--method", "gptq")
     assert res.returncode == 2 and "--method applies to --to gguf" in res.stderr, res.stderr
     assert not (tmp_path / "hf").exists()
+
+
+def test_learned_rounding_needs_a_method(llmopt_here, wide_hf: Path, tmp_path: Path) -> None:  # noqa: F811
+    res = llmopt_here("convert", wide_hf, "--to", "gguf", "--type", "Q4_K_M", "-o", tmp_path / "q.gguf", "--iters", "5")
+    assert res.returncode == 2 and "--iters and --lr (learned rounding) tune what a calibrated --method" in res.stderr, res.stderr
+    assert not (tmp_path / "q.gguf").exists()

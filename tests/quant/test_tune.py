@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,10 +53,10 @@ def test_tuning_lowers_each_blocks_error_and_repeats_under_a_seed(tmp_path, meth
         other, _ = _run(src, QuantizeSpec(method, batch_size=4, tune=TuneConfig(40, None, 4, seed=1)), tokens)
     assert all(torch.equal(tuned[n].codes, again[n].codes) and torch.equal(tuned[n].scales, again[n].scales) for n in tuned)
     assert any(not torch.equal(tuned[n].codes, other[n].codes) for n in tuned)  # the seed picks the steps' samples
-    assert all(d["tune_loss"] <= d["tune_loss_start"] for d in details)
+    assert all(d["tune_mse"] <= d["tune_start_mse"] for d in details)
     # the first block sees the same inputs with and without tuning: there the gain is the tuning's own
     first = [d for d in details[:7]]
-    assert all(d["tune_kept"] == 1 and d["tune_loss"] < 0.8 * d["tune_loss_start"] for d in first), first
+    assert all(d["tune_kept"] == 1 and d["tune_mse"] < 0.8 * d["tune_start_mse"] for d in first), first
     assert any(not torch.equal(tuned[n].codes, start[n].codes) for n in tuned)
 
 
@@ -77,10 +78,48 @@ def test_cli_records_the_tuning_and_refuses_what_it_cannot_tune(llmopt_here, tin
                     "--iters", "4", "--nsamples", "2", "--seqlen", "16", "--seed", "3", "-o", out)
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "config.json").read_text())["llmopt"]["tune"] == {"iters": 4, "lr": 0.25, "batch_size": 8, "seed": 3}
-    assert all("tune_loss" in layer for layer in json.loads(r.stdout)["layers"])
+    assert all("tune_mse" in layer for layer in json.loads(r.stdout)["layers"])
     for args, expect in ((["--lr", "0.01"], "--lr is learned rounding's step size: it needs --iters > 0"),
                          (["--iters", "5", "--scheme", "fp8-dynamic"], "--iters (learned rounding) tunes the integer grid"),
                          (["--iters", "-1"], "--iters")):
         r = llmopt_here("quantize", tiny_models("llama"), "--group-size", "32", *args, "-o", tmp_path / "bad")
         assert_clean_failure(r, expect)
         assert not (tmp_path / "bad").exists()
+
+
+def test_gguf_k_types_are_tuned_and_llama_cpp_reads_the_file(llmopt_here, tmp_path) -> None:
+    """`convert --method gptq --iters`: the K-type linears of a Q2_K mix are tuned (codes only: their
+    scales are sub-scale codes), the gguf package reads the tuned tensors, and llama.cpp loads the
+    file and generates."""
+    import gguf
+    from gguf.quants import dequantize
+    from llama_cpp import Llama
+
+    from tests.factories import CORPUS
+    from tests.formats.gguf.models import make_wide_hf
+
+    src = make_wide_hf(tmp_path / "hf", "llama", layers=2)
+    calib = tmp_path / "c.txt"
+    calib.write_text(CORPUS)
+    base = ["--json", "convert", src, "--to", "gguf", "--type", "Q2_K", "--method", "gptq", "--calib", calib,
+            "--nsamples", "4", "--seqlen", "64", "--batch-size", "2"]
+    plain, tuned = tmp_path / "gptq.gguf", tmp_path / "tuned.gguf"
+    assert llmopt_here(*base, "-o", plain).returncode == 0
+    done = llmopt_here(*base, "--iters", "30", "-o", tuned)
+    assert done.returncode == 0, done.stderr
+    layers = json.loads(done.stdout)["layers"]
+    assert all(r["tune_mse"] <= r["tune_start_mse"] for r in layers)
+    assert any(r["tune_mse"] < 0.97 * r["tune_start_mse"] for r in layers)
+    a = {t.name: t for t in gguf.GGUFReader(str(plain)).tensors}
+    b = {t.name: t for t in gguf.GGUFReader(str(tuned)).tensors}
+    changed = [n for n in a if n.startswith("blk.") and a[n].tensor_type.name.endswith("_K")
+               and not np.array_equal(a[n].data, b[n].data)]
+    assert changed and all(a[n].tensor_type == b[n].tensor_type for n in a)
+    with open_model(tuned) as ours:  # the gguf package reads the tuned tensors as llmopt does (q/k aside: permuted)
+        family = ours.arch.family
+        for name in (n for n in changed if "attn_q" not in n and "attn_k" not in n):
+            theirs = torch.from_numpy(dequantize(b[name].data, b[name].tensor_type).copy())
+            mine = ours.load(family.gguf_to_hf_name(name), torch.float32)
+            assert torch.equal(theirs.reshape(mine.shape), mine), name
+    llm = Llama(model_path=str(tuned), n_ctx=64, verbose=False, n_threads=2)
+    assert isinstance(llm("The quick brown fox", max_tokens=8, temperature=0)["choices"][0]["text"], str)

@@ -15,6 +15,7 @@ output row (per channel), 0 one scale for the whole tensor (round-to-nearest onl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -41,6 +42,7 @@ class IntGrid:
     mse_norm: float = 2.4
     name: str = "int"
     block: int = 1  # any row length
+    uniform: ClassVar[bool] = True  # each weight is (q - zero)·scale: learned rounding (quant/tune.py) may move q
 
     @property
     def maxq(self) -> int:

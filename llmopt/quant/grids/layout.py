@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -131,6 +132,9 @@ class BlockGrid:
     """
 
     name: str
+    # every weight is s·q − m for its code q (QuantizedTensor.dequantize is exact): codes are evenly
+    # spaced, so learned rounding (quant/tune.py) can move one by a step; False for codebooks and lattices
+    uniform: ClassVar[bool] = False
     block: int  # elements per (super-)block: rows must be a multiple
     bits: int
 

@@ -10,6 +10,7 @@ one, llama.cpp searches each block as its K-quants do (`make_qx_quants` for Q4_0
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -31,6 +32,8 @@ def _importance_weights(w: torch.Tensor, importance: torch.Tensor) -> torch.Tens
 @dataclass(frozen=True)
 class SymmetricGrid(BlockGrid):
     """Q4_0 / Q5_0: w = d·(q - 2^(bits-1)), d = -max/2^(bits-1) from the largest-magnitude value."""
+
+    uniform: ClassVar[bool] = True
 
     name: str
     bits: int
@@ -55,6 +58,8 @@ class SymmetricGrid(BlockGrid):
 @dataclass(frozen=True)
 class AffineGrid(BlockGrid):
     """Q4_1 / Q5_1: w = d·q + m with d = (max - min)/(2^bits - 1) and m = min."""
+
+    uniform: ClassVar[bool] = True
 
     name: str
     bits: int
@@ -87,6 +92,8 @@ class AffineGrid(BlockGrid):
 class Q8Grid(BlockGrid):
     """Q8_0: w = d·q, q in [-127, 127] rounded half away from zero, d = amax/127 (codes stored +128).
     llama.cpp ignores the importance matrix for Q8_0, and so do we."""
+
+    uniform: ClassVar[bool] = True
 
     name: str = "Q8_0"
     block: int = QK

@@ -7,6 +7,8 @@ weighted by imatrix·sqrt(σ² + x²) and `make_qp_quants` for the 4-bit scales 
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from llmopt.quant.grids.layout import QK_K, BlockGrid, importance_major, per_block, scale_min_fields, scale_min_tensor, superblock_sum_x2
@@ -19,6 +21,7 @@ N_SUB = QK_K // SUB
 
 
 class Q2KGrid(BlockGrid):
+    uniform: ClassVar[bool] = True
     name = "Q2_K"
     block = QK_K
     bits = 2

@@ -7,6 +7,8 @@ for both the sub-blocks and the sub-scales.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from llmopt.quant.grids.layout import QK_K, BlockGrid, importance_major, per_block, superblock_sum_x2
@@ -19,6 +21,7 @@ N_SUB = QK_K // SUB
 
 
 class Q3KGrid(BlockGrid):
+    uniform: ClassVar[bool] = True
     name = "Q3_K"
     block = QK_K
     bits = 3

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import ClassVar
+
 import torch
 
 from llmopt.quant.grids.layout import QK_K, BlockGrid, importance_major, per_block, scale_min_fields, scale_min_tensor, superblock_sum_x2
@@ -24,6 +26,7 @@ N_SUB = QK_K // SUB
 
 @dataclass(frozen=True)
 class AsymKGrid(BlockGrid):
+    uniform: ClassVar[bool] = True
     name: str
     nmax: int  # 15 for Q4_K, 31 for Q5_K
     bits: int

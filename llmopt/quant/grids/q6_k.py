@@ -7,6 +7,8 @@ requantizes the sub-blocks with the stored scales.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from llmopt.quant.grids.layout import QK_K, BlockGrid, per_block
@@ -19,6 +21,7 @@ N_SUB = QK_K // SUB
 
 
 class Q6KGrid(BlockGrid):
+    uniform: ClassVar[bool] = True
     name = "Q6_K"
     block = QK_K
     bits = 6

@@ -38,7 +38,8 @@ def pipeline_workload(spec: QuantizeSpec, calibration: CalibConfig | None) -> Wo
     return Workload("quantize", m.name, n, t, spec.act_dtype.itemsize, spec.batch_size,
                     gptaq=bool(gptq is not None and gptq.fp_target > 0),
                     refit_scales=bool(gptq is not None and gptq.refit_scales), quantize_head=spec.quantize_head,
-                    bits=m.bits, self_written=calibration is not None and calibration.source == SELF)  # fmt: skip
+                    bits=m.bits, self_written=calibration is not None and calibration.source == SELF,
+                    tune_iters=spec.tune.iters if spec.tune is not None else 0)  # fmt: skip
 
 
 def sensitivity_workload(calibration: CalibConfig) -> Workload:

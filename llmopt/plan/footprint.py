@@ -50,6 +50,9 @@ F32 = 4
 GB = 1e9
 STRIP = 256  # calibration/hessian.py's strip of the Hessian's upper triangle (its cost, below)
 GPTQ_BLOCK = 128  # gptq.py's lazy-update block of columns
+# float32 copies of every linear weight while a block is tuned: the weight, the method's offsets, the learned
+# offsets, their gradient and best state, and what autograd keeps of ŵ's arithmetic (counted, not yet measured at 8B)
+TUNE_COPIES = 10
 HESSIAN_COPIES = 4  # [in, in] float32 matrices alive at once in one GPTQ stage (see the module docstring)
 
 
@@ -131,6 +134,7 @@ class Workload:
     bits: int = 4
     kept_bytes: int = 0  # sensitivity: block inputs its forward keeps in memory before spilling to disk
     self_written: bool = False  # calibration text written by the model itself (`--calib self`): the whole model runs
+    tune_iters: int = 0  # learned rounding's steps per block (quant/tune.py), each over `batch` samples
 
     @property
     def tokens(self) -> int:
@@ -164,7 +168,7 @@ class Footprint:
         w = self.workload
         shown = sorted((p for p in self.parts if p[1] >= 0.005 * self.block_bytes), key=lambda p: -p[1])
         inner = ", ".join(f"{what} {gb(n)}" for what, n in shown)
-        tokens = f" for {w.samples} x {w.seqlen} tokens" if w.command != "quantize" or w.method != "rtn" else ""
+        tokens = f" for {w.samples} x {w.seqlen} tokens" if w.command != "quantize" or w.method != "rtn" or w.tune_iters else ""
         return f"{gb(self.block_bytes)} ({inner}{tokens})"
 
     def to_dict(self) -> dict:
@@ -227,7 +231,7 @@ def _awq(b: BlockShape, work: Workload) -> tuple[int, int]:
 
 def _quantize(b: BlockShape, work: Workload) -> Footprint:
     block = b.params * F32
-    if work.method == "rtn":
+    if work.method == "rtn" and not work.tune_iters:
         stage = max(b.stages, key=lambda s: s.rows * s.width)
         parts = (("weights", stage.rows * stage.width * F32 * 3), ("writer", _codes(b, work)))
         steps = {"LM head": b.vocab * b.hidden * (3 * F32 + 1)} if work.quantize_head else {}
@@ -243,6 +247,9 @@ def _quantize(b: BlockShape, work: Workload) -> Footprint:
     if work.method in ("awq", "awq+gptq"):
         paused, search = _awq(b, work)
         phases += [(held, paused, 0), (0, search, 0)]  # statistics beside the paused forward; then its search
+    if work.tune_iters:  # the block's inputs and float outputs kept beside `x`; a batch's graph and the offsets
+        calib += 2 * work.tokens * b.hidden * F32
+        phases.append((work.batch * _sample_activations(b, work.seqlen), 0, TUNE_COPIES * b.linear_params * F32))
     held, stats, weights = max(phases, key=sum)
     parts = (("block", block + copy), ("Hessians", stats), ("activations", held), ("weights", weights),
              ("calibration", calib), ("writer", _codes(b, work)))  # fmt: skip
@@ -322,6 +329,9 @@ EFFICIENCY: dict[str, Efficiency] = {
     "awq+gptq": Efficiency(0.45),  # convert --type Q4_K_M --method awq+gptq, 1 layer: 502 s wall
     "sensitivity": Efficiency(0.20),  # the automatic mix's Fisher pass: 52.0 s per block (1 vs 2 layers)
     "awq": Efficiency(0.60),  # quantize --method awq, 1 layer: the pipeline's own 277.0 s per block
+    # learned rounding's steps (tune_flops), on top of its method: SmolLM2 off-grid, gptq w2 g64 --iters 40, 32 x 256
+    # samples, 4 per step: ~27 s per block beyond GPTQ's against a 69 GFLOP/s matmul rate (benchmarks/tune.py)
+    "tune": Efficiency(0.6),
 }
 MEASURED = "benchmarks/scale.py, Llama-3.1-8B shape, 8 x 256 tokens, 2-core x86 (see docs/big-models.md)"
 
@@ -379,7 +389,16 @@ def efficiency(work: Workload) -> Efficiency | None:
 def block_seconds(b: BlockShape, work: Workload, peak_flops: float, eff: Efficiency | None = None) -> float | None:
     """Seconds per block at a device's matmul peak (FLOP/s), or None where no efficiency is measured."""
     eff = eff or efficiency(work)
-    if eff is None:
+    if eff is None and not (work.tune_iters and work.method == "rtn"):  # (rounding to nearest itself is negligible)
         return None
     flops, columns = block_work(b, work)
-    return flops / (eff.fraction * peak_flops) + columns * eff.per_column
+    seconds = 0.0 if eff is None else flops / (eff.fraction * peak_flops) + columns * eff.per_column
+    return seconds + tune_flops(b, work) / (EFFICIENCY["tune"].fraction * peak_flops) if work.tune_iters else seconds
+
+
+def tune_flops(b: BlockShape, work: Workload) -> float:
+    """Learned rounding of one block: each step a forward and a backward (~3 forwards) over `batch`
+    samples; around the steps, four forwards over every sample (the float targets, the error before
+    and after, the tuned outputs)."""
+    step = forward_flops(b, Workload(work.command, samples=min(work.batch, work.samples), seqlen=work.seqlen))
+    return 3.0 * step * work.tune_iters + 4.0 * forward_flops(b, work)

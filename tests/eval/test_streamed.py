@@ -1,7 +1,10 @@
 """`eval` streamed one block at a time (eval/streamed.py) gives the loaded path's numbers.
 
-Tolerances: perplexity, reference perplexity and KL within rel 1e-5 (abs 1e-7 for a KL near 0), top-1
-agreement within one position; on these CPU float32 runs the two paths agree exactly so far."""
+Tolerances: perplexity and reference perplexity within rel 1e-5; KL within rel 1e-5 or abs 1e-5: it is
+a mean difference of float32 log-probabilities of magnitude ~10, each rounded at ~1e-6 and summed in
+another order by each path (the loaded path's reference goes through its shared final hidden states),
+so the two differ by ~1e-6 absolute (1.8e-6 on SmolLM2 Q4_K_M on a 2-core AVX2 machine); top-1
+agreement within one position."""
 
 import importlib
 
@@ -44,7 +47,7 @@ def assert_same(one: dict, other: dict) -> None:
     for key in ("perplexity", "ref_perplexity", "kl_divergence"):
         assert (key in one) == (key in other), key
         if key in one:
-            assert other[key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key
+            assert other[key] == pytest.approx(one[key], rel=1e-5, abs=1e-5 if key == "kl_divergence" else 1e-7), key
     if "top1_agreement" in one:
         assert abs(other["top1_agreement"] - one["top1_agreement"]) <= 1 / one["tokens_scored"]
 

@@ -91,3 +91,23 @@ def test_budget_is_the_lower_of_the_system_and_the_cgroup(monkeypatch) -> None:
     assert memory.memory_budget() == (6 * 10**9, "cgroup limit")
     monkeypatch.setattr(memory, "cgroup_memory_room", lambda: None)
     assert memory.memory_budget() == (10 * 10**9, "available")
+
+
+def test_learned_rounding_keeps_inputs_and_targets_and_costs_its_steps() -> None:
+    from llmopt.plan.footprint import EFFICIENCY, TUNE_COPIES, tune_flops
+
+    shape = BlockShape.of(PRESETS["llama-3.1-8b"].arch)
+    plain = Workload("quantize", "gptq", 128, 512, batch=8)
+    tuned = Workload("quantize", "gptq", 128, 512, batch=8, tune_iters=200)
+    calib = dict(footprint(shape, tuned).parts)["calibration"] - dict(footprint(shape, plain).parts)["calibration"]
+    assert calib == 2 * 128 * 512 * 4096 * F32  # the block's inputs and the float block's outputs
+    few = Workload("quantize", "gptq", 8, 256, batch=8, tune_iters=200)  # the offsets outweigh GPTQ's paused forward
+    assert dict(footprint(shape, few).parts)["weights"] == TUNE_COPIES * shape.linear_params * F32
+    # an RTN start still runs the calibration forward when tuned
+    assert footprint(shape, Workload("quantize", "rtn", 128, 512, tune_iters=10)).block_bytes > \
+        footprint(shape, Workload("quantize", "rtn", 128, 512)).block_bytes
+    peak = 1e12
+    extra = block_seconds(shape, tuned, peak) - block_seconds(shape, plain, peak)
+    assert extra == pytest.approx(tune_flops(shape, tuned) / (EFFICIENCY["tune"].fraction * peak))
+    assert tune_flops(shape, Workload("quantize", "gptq", 128, 512, batch=8, tune_iters=400)) > tune_flops(shape, tuned)
+    assert block_seconds(shape, Workload("quantize", "rtn", 128, 512, tune_iters=10), peak) > 0

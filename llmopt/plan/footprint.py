@@ -51,8 +51,10 @@ GB = 1e9
 STRIP = 256  # calibration/hessian.py's strip of the Hessian's upper triangle (its cost, below)
 GPTQ_BLOCK = 128  # gptq.py's lazy-update block of columns
 # float32 copies of every linear weight while a block is tuned: the weight, the method's offsets, the learned
-# offsets, their gradient and best state, and what autograd keeps of ŵ's arithmetic (counted, not yet measured at 8B)
-TUNE_COPIES = 10
+# offsets, their gradient and best state, and what autograd keeps of ŵ's arithmetic. Measured at the Llama-3.1-8B
+# block (benchmarks/tune_memory.py, 4 x 256 tokens, 2 per step): peak 10,205 MiB anonymous against 9,652 modeled
+# with 10 copies; 11 covers it
+TUNE_COPIES = 11
 HESSIAN_COPIES = 4  # [in, in] float32 matrices alive at once in one GPTQ stage (see the module docstring)
 
 

@@ -136,7 +136,7 @@ def quantize_model(source: ModelSource, spec: QuantizeSpec, tokens: torch.Tensor
     and starts from `start` (a killed run's last progress) instead of the first block."""
     device = torch.device(device)
     method: Method = spec.method.build()
-    if not method.calibrated and spec.tune is None:
+    if not spec.calibrated:
         yield from _weight_only(source, spec, method, device)
         return
     if tokens is None:
@@ -302,7 +302,7 @@ def _calibrated_block(source: ModelSource, spec: QuantizeSpec, method: Method, l
 
 def _tune(block: nn.Module, run: nn.Module, layer: int, source: ModelSource, spec: QuantizeSpec,
           floats: dict[str, torch.Tensor], x_in: torch.Tensor, targets: torch.Tensor, result: BlockResult) -> None:  # fmt: skip
-    """Learned rounding of the block's integer-grid linears from the method's results (quant/tune.py); the
+    """Learned rounding of the block's linears on evenly spaced grids from the method's results (quant/tune.py); the
     tuned codes replace the results, their reports and the weights of the block and its forward copy."""
     prefix = f"model.layers.{layer}."
     device = x_in.device

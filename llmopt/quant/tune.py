@@ -78,7 +78,7 @@ class _Linear:
         s = scale[:, columns]
         u = weight / torch.where(s != 0, s, 1.0) + zero[:, columns]  # where each weight sits between codes
         # the method's code, each weight keeping its distance to the nearest rounding boundary (nudged off a tie)
-        offset = start.codes.to(torch.float32) - torch.round(u) - (u - torch.round(u)) + (u - torch.round(u)).clamp(-0.49, 0.49)
+        offset = start.codes.to(torch.float32) - u + (u - torch.round(u)).clamp(-0.49, 0.49)
         v = torch.zeros_like(weight, requires_grad=True)
         # a scale a checkpoint stores as a float16 may change; GGUF types store theirs as sub-scale codes
         gain = torch.zeros_like(scale, requires_grad=start.grid == "int")
@@ -102,9 +102,8 @@ class _Linear:
             if self.gain.requires_grad:
                 scale = scale.to(torch.float16).to(torch.float32).clamp(min=2.0**-24)
             codes = self.codes(scale[:, self.columns], self.v)
-        if not self.gain.requires_grad:
-            return dataclasses.replace(self.start, codes=codes.to(self.start.codes.dtype))
-        return dataclasses.replace(self.start, codes=codes.to(self.start.codes.dtype), scales=scale)
+        scales = scale if self.gain.requires_grad else self.start.scales
+        return dataclasses.replace(self.start, codes=codes.to(self.start.codes.dtype), scales=scales)
 
     def step(self, rate: float) -> None:
         """One signed gradient step, offsets and gains kept in their ranges."""

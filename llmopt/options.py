@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from llmopt.errors import OptionError
-from llmopt.names import CALIB_DTYPES, CALIBRATED_SCHEMES, CHECKPOINT_FORMATS, FLOAT_DTYPES, METHODS, SCHEMES
+from llmopt.names import CALIB_DTYPES, CALIBRATED_SCHEMES, CHECKPOINT_FORMATS, FLOAT_DTYPES, METHODS, SCHEMES, SYM_SCALES
 
 # An options class: an immutable value with no generated __eq__ or __repr__ (there are twenty such classes
 # and every command line defines them all: each generated method is start-up time).
@@ -240,6 +240,9 @@ class QuantizeOptions(CalibrationOptions, RoundingOptions, AutomixOptions, Shard
                              ge=-1, le=1 << 20, hint="use a positive size, -1 (per channel) or 0 (per tensor)")  # fmt: skip
     sym: bool | None = option(None, "Symmetric grid (no zero point) or asymmetric (zero point per group). Default: "
                               "--asym for awq methods, --sym otherwise.", flags=("--sym/--asym",), show_default=False)  # fmt: skip
+    sym_scale: str | None = option(None, "Symmetric grid's scale: gptq (2·max|w|/(2^bits-1), GPTQ's convention) or "
+                                   "tight (the smallest scale whose codes reach both the group's max and min, the "
+                                   "extra negative code used). Default: gptq.", choices=SYM_SCALES, show_default=False)  # fmt: skip
     mse: bool = option(False, "Search a clipping range per group instead of min/max.")
     refit_scales: bool = option(False, "GPTQ: re-solve each group's scale for the final codes (least squares on the "
                                 "layer's output error).")  # fmt: skip

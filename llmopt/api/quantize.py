@@ -53,7 +53,7 @@ class QuantizeResult:
     def to_dict(self) -> dict[str, Any]:
         m = self.spec.method
         return {"output": str(self.output), "format": self.fmt, "method": m.name, "bits": m.bits,
-                "group_size": m.group_size, "sym": m.sym, "act_order": bool(getattr(m, "act_order", False)),
+                "group_size": m.group_size, "sym": m.sym, **({"sym_scale": m.sym_scale} if m.sym else {}), "act_order": bool(getattr(m, "act_order", False)),
                 "calibration": self.calibration, "seconds": round(self.seconds, 2),
                 "layers": [layer_row(r) for r in self.reports],
                 "blocks": [{"layer": layer, "seconds": round(s, 3)} for layer, s in self.block_seconds],
@@ -182,6 +182,8 @@ def provenance(spec: QuantizeSpec, calib_info: dict[str, Any] | None) -> dict[st
     """What a file records about how it was quantized: the method, its options, the calibration."""
     built = spec.method.build()
     out: dict[str, Any] = {"method": built.name, "calibration": calib_info}
+    if spec.method.sym:
+        out["sym_scale"] = spec.method.sym_scale
     if built.calibrated:
         out[built.name] = {**built.provenance(), "calib_dtype": str(spec.act_dtype).removeprefix("torch.")}
     if spec.tune is not None:

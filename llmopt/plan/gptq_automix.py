@@ -13,6 +13,7 @@ compressed-tensors config groups (`formats/compressed_tensors.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -27,7 +28,6 @@ from llmopt.formats.checkpoint import Layout, layout
 from llmopt.model.source import ModelSource
 from llmopt.plan.allocate import Option, allocate
 from llmopt.plan.sensitivity import cache_key, load, measure, save
-from llmopt.quant.grids.integer import IntGrid
 from llmopt.quant.pipeline import HEAD, QuantizeSpec, head_weight_name, module_name
 
 # (bits, group size) a stage may take; the kernels vLLM and GPTQModel ship cover these.
@@ -95,7 +95,8 @@ def plan_bits(source: ModelSource, spec: QuantizeSpec, target_bpw: float, calib:
                           f"{8 * least / weights:.3f} bits/weight")  # fmt: skip
     names = {m: head_weight_name(source) if m == HEAD else f"{m}.weight" for m in shapes}
     grid = spec.method.grid()
-    key = cache_key(source, {**calib.__dict__, "sym": spec.method.sym, "zero_min": getattr(grid, "zero_min", 0)},
+    key = cache_key(source, {**calib.__dict__, "sym": spec.method.sym, "zero_min": getattr(grid, "zero_min", 0),
+                                    "sym_scale": getattr(grid, "sym_scale", "gptq")},
                     names, [option_name(*c) for c in CANDIDATES if c[0] in held.bits], ESTIMATOR)  # fmt: skip
     start = time.perf_counter()
     sens = load(cache, key)
@@ -103,7 +104,7 @@ def plan_bits(source: ModelSource, spec: QuantizeSpec, target_bpw: float, calib:
     if sens is None:
         def rounded(option: str, weight: torch.Tensor, _importance: torch.Tensor | None) -> torch.Tensor:
             bits, group_size = (int(x) for x in option.split("g"))
-            return IntGrid(bits, spec.method.sym, group_size, grid.zero_min, grid.mse).quantize(weight).dequantize()
+            return dataclasses.replace(grid, bits=bits, group_size=group_size).quantize(weight).dequantize()
 
         samples, _ = load_calibration(source, calib, device)
         sens = measure(source, names, {m: [option_name(*c) for c in options[m]] for m in shapes}, rounded, samples,

@@ -39,17 +39,19 @@ from llmopt.errors import InputError
 from llmopt.model.families.base import Stage
 from llmopt.quant.gptq import GPTQ, GPTQConfig
 from llmopt.quant.grids import Grid, IntGrid
+from llmopt.quant.grids.integer import OnIntGrid
 from llmopt.quant.method import BlockAccess, BlockChanges, Collector, Quantized
 from llmopt.options import QuantizeOptions
 
 
 @dataclass(frozen=True)
-class AWQConfig:
+class AWQConfig(OnIntGrid):
     bits: int = QuantizeOptions.bits
     group_size: int = QuantizeOptions.group_size
     sym: bool = False  # AWQ checkpoints carry a zero point per group
     mse: bool = QuantizeOptions.mse  # the grid's own min/max clipping search (AWQ clips by itself: `clip`)
     zero_min: int = 0
+    sym_scale: str = "gptq"  # the symmetric grid's scale (grids/integer.py, SYM_SCALES)
     n_grid: int = 20  # α candidates in [0, 1)
     duo_scaling: bool = True  # s from activations and weights; False: activations only
     clip: bool = QuantizeOptions.clip
@@ -60,9 +62,6 @@ class AWQConfig:
     @property
     def name(self) -> str:
         return "awq+gptq" if self.gptq is not None else "awq"
-
-    def grid(self) -> IntGrid:
-        return IntGrid(self.bits, self.sym, self.group_size, self.zero_min, self.mse)
 
     def build(self) -> AWQ:
         return AWQ(self)

@@ -44,6 +44,7 @@ import torch
 from llmopt.calibration.hessian import HessianAccumulator
 from llmopt.errors import OptionError
 from llmopt.quant.grids import Grid, IntGrid
+from llmopt.quant.grids.integer import OnIntGrid
 from llmopt.quant.grids.integer import IntParams
 from llmopt.quant.method import Collector, Quantized
 from llmopt.options import QuantizeOptions
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class GPTQConfig:
+class GPTQConfig(OnIntGrid):
     name: ClassVar[str] = "gptq"
     bits: int = QuantizeOptions.bits
     group_size: int = QuantizeOptions.group_size  # > 0 per group, -1 per output channel
@@ -69,9 +70,7 @@ class GPTQConfig:
     fp_target: float = QuantizeOptions.gptaq  # GPTAQ's α: > 0 pulls the layer toward the full-precision model's output
     group_aware: bool = False  # act-order within contiguous groups (see above)
     zero_min: int = 0  # 1 for GPTQ v1 checkpoints (see grids/integer.py)
-
-    def grid(self) -> IntGrid:
-        return IntGrid(self.bits, self.sym, self.group_size, self.zero_min, self.mse)
+    sym_scale: str = "gptq"  # the symmetric grid's scale (grids/integer.py, SYM_SCALES)
 
     def build(self) -> GPTQ:
         return GPTQ(self)

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import torch
 
 from llmopt.quant.grids import Grid, IntGrid
+from llmopt.quant.grids.integer import OnIntGrid
 from llmopt.quant.method import Collector, Quantized
 from llmopt.options import QuantizeOptions
 from llmopt.quantized_tensor import QuantizedTensor
@@ -20,17 +21,15 @@ INPUT_ABSMAX = "input_absmax"  # QuantizedTensor.aux: the calibrated max |x| of 
 
 
 @dataclass(frozen=True)
-class RTNConfig:
+class RTNConfig(OnIntGrid):
     name: ClassVar[str] = "rtn"
     bits: int = QuantizeOptions.bits
     group_size: int = QuantizeOptions.group_size  # > 0 per group, -1 per output channel, 0 one scale for the whole tensor
     sym: bool = True
     mse: bool = QuantizeOptions.mse  # clipping search per group
     zero_min: int = 0  # 1 for GPTQ v1 checkpoints (see grids/integer.py)
+    sym_scale: str = "gptq"  # the symmetric grid's scale (grids/integer.py, SYM_SCALES)
     observe_inputs: bool = False  # calibrate: each linear's input range, for static activation scales (--scheme fp8, nvfp4)
-
-    def grid(self) -> IntGrid:
-        return IntGrid(self.bits, self.sym, self.group_size, self.zero_min, self.mse)
 
     def build(self) -> RTN:
         return RTN(self)

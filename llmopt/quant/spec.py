@@ -45,6 +45,9 @@ def build_spec(o: QuantizeOptions, method: str, sym: bool, *, act_dtype: torch.d
         group_aware = gptq_rounding and o.group_size > 0 and not (o.act_order or o.static_groups)
     if not o.clip and not method.startswith("awq"):
         raise OptionError("turning off <clip> (AWQ's clipping search) applies to <method> awq and awq+gptq")
+    if o.sym_scale is not None and not sym:
+        raise OptionError("<sym_scale> chooses the symmetric grid's scale: it needs <sym>")
+    sym_scale = o.sym_scale or "gptq"
     common = dict(quantize_head=o.quantize_head, batch_size=o.batch_size, act_dtype=act_dtype)
     if o.iters:
         if o.scheme is not None:
@@ -58,19 +61,19 @@ def build_spec(o: QuantizeOptions, method: str, sym: bool, *, act_dtype: torch.d
         if o.act_order or o.static_groups or o.refit_scales or o.gptaq or group_aware:
             raise OptionError(f"{GPTQ_ONLY} apply to <method> gptq and awq+gptq")
         if method == "rtn":
-            return QuantizeSpec(RTNConfig(o.bits, o.group_size, sym, o.mse, zero_min), **common)
+            return QuantizeSpec(RTNConfig(o.bits, o.group_size, sym, o.mse, zero_min, sym_scale), **common)
     if o.group_size == 0:
         raise OptionError(f"<group_size> 0 (per tensor) is for rtn; {method} takes -1 or a group size")
     gptq = None
     if gptq_rounding:
         if group_aware and (o.act_order or o.static_groups):
             raise OptionError("<group_aware> is an alternative to <act_order> and <static_groups>; choose one")
-        gptq = GPTQConfig(o.bits, o.group_size, sym, o.act_order, o.static_groups, o.damp, o.damp_step, mse=o.mse, zero_min=zero_min,
+        gptq = GPTQConfig(o.bits, o.group_size, sym, o.act_order, o.static_groups, o.damp, o.damp_step, mse=o.mse, zero_min=zero_min, sym_scale=sym_scale,
                           refit_scales=o.refit_scales, fp_target=o.gptaq, group_aware=group_aware)  # fmt: skip
     if method == "gptq":
         config: RTNConfig | GPTQConfig | AWQConfig = gptq
     else:
-        config = AWQConfig(o.bits, o.group_size, sym, o.mse, zero_min, clip=o.clip, gptq=gptq)
+        config = AWQConfig(o.bits, o.group_size, sym, o.mse, zero_min, sym_scale, clip=o.clip, gptq=gptq)
     return QuantizeSpec(config, **common)
 
 

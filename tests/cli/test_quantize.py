@@ -48,6 +48,27 @@ def test_rtn_dense_json(llmopt_here, tiny_models, tmp_path) -> None:
     assert "quantization_config" not in cfg and cfg["llmopt"]["method"] == "rtn"
 
 
+def test_tight_symmetric_scale_is_written_and_recorded(llmopt_here, tiny_models, tmp_path) -> None:
+    """--sym-scale tight: the checkpoint is GPTQ's symmetric layout (zero 8) with the tight grid's codes
+    and scales, read back by llmopt's reader as the grid made them, and recorded in the provenance."""
+    import torch
+
+    from llmopt.model import open_model
+    from llmopt.quant.grids import IntGrid
+
+    out = tmp_path / "t"
+    r = llmopt_here("--json", "quantize", tiny_models("llama"), "--method", "rtn", "--group-size", "32",
+                    "--sym-scale", "tight", "-o", out)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["sym_scale"] == "tight"
+    assert json.loads((out / "config.json").read_text())["llmopt"]["sym_scale"] == "tight"
+    src, written = open_model(tiny_models("llama")), open_model(out)
+    name = "model.layers.0.mlp.down_proj.weight"
+    want = IntGrid(4, True, 32, sym_scale="tight").quantize(src.load(name)).dequantize(torch.float32)
+    assert torch.equal(written.load(name), want)
+    assert not torch.equal(want, IntGrid(4, True, 32).quantize(src.load(name)).dequantize(torch.float32))
+
+
 def test_calib_self_default(llmopt_here, tiny_models, tmp_path) -> None:
     out = tmp_path / "s"
     r = llmopt_here("--json", "quantize", tiny_models("llama"), "--group-size", "32", "--nsamples", "2", "--seqlen", "16", "-o", out)
@@ -91,6 +112,8 @@ def test_gptaq_and_refit_scales_are_recorded(llmopt_here, tiny_models, tmp_path)
     (["--method", "awq+gptq", "--act-order"], "--act-order needs --static-groups in AWQ checkpoints"),
     (["--method", "gptq", "--no-clip"], "--no-clip (AWQ's clipping search) applies to --method awq"),
     (["--method", "awq", "--format", "gguf"], "--format"),
+    (["--asym", "--sym-scale", "tight"], "--sym-scale chooses the symmetric grid's scale: it needs --sym"),
+    (["--sym-scale", "max"], "'max' is not one of 'gptq', 'tight'"),
 ])
 def test_bad_input(llmopt_here, tiny_models, tmp_path, args, expect) -> None:
     empty = tmp_path / "empty.txt"

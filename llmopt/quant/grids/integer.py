@@ -1,6 +1,8 @@
 """The uniform integer grid of GPTQ/AWQ checkpoints: codes 0..2**bits-1 with a scale and zero per group.
 
     symmetric:  w ≈ (q - 2**(bits-1)) * scale,  scale = 2*max|w| / (2**bits - 1)   (GPTQ's convention)
+                or (sym_scale "tight") scale = max(max / (2**(bits-1) - 1), -min / 2**(bits-1)): the
+                smallest scale whose codes reach both ends of the group, the extra negative code used
     asymmetric: w ≈ (q - zero) * scale,         scale = (max - min) / (2**bits - 1), zero = round(-min/scale)
 
 The range always includes 0 (min <= 0 <= max) so that zero is a code, as in GPTQ. `zero_min=1` keeps
@@ -15,7 +17,7 @@ output row (per channel), 0 one scale for the whole tensor (round-to-nearest onl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -40,6 +42,7 @@ class IntGrid:
     mse_grid: int = 100
     mse_max_shrink: float = 0.8
     mse_norm: float = 2.4
+    sym_scale: str = "gptq"  # symmetric: "gptq" (2·max|w|/maxq) or "tight" (see the module docstring)
     name: str = "int"
     block: int = 1  # any row length
     uniform: ClassVar[bool] = True  # each weight is (q - zero)·scale: learned rounding (quant/tune.py) may move q
@@ -138,9 +141,13 @@ class IntGrid:
     def _range_params(self, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         maxq = self.maxq
         if self.sym:
-            amax = torch.maximum(lo.abs(), hi)
-            scale = fp16_exact(torch.where(amax == 0, torch.ones_like(amax), 2 * amax / maxq))
-            return scale, torch.full_like(scale, float(1 << (self.bits - 1)))
+            half = 1 << (self.bits - 1)
+            if self.sym_scale == "tight":  # +max on code half-1 or -min on code -half, whichever needs more
+                raw = torch.maximum(hi / (half - 1), -lo / half)
+            else:  # GPTQ's: ±max|w| half a step beyond the outer codes
+                raw = 2 * torch.maximum(lo.abs(), hi) / maxq
+            scale = fp16_exact(torch.where(raw == 0, torch.ones_like(raw), raw))
+            return scale, torch.full_like(scale, float(half))
         span = hi - lo
         scale = fp16_exact(torch.where(span == 0, torch.ones_like(span), span / maxq))
         zero = torch.round(-lo / scale).clamp(0, maxq)
@@ -162,6 +169,15 @@ class IntGrid:
 
     def fake_quantize(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
         return self.dequantize(self.quantize_with(w, scale, zero), scale, zero)
+
+
+class OnIntGrid:
+    """A method config's integer grid, built in one place from its fields (bits, sym, group_size,
+    zero_min, mse, sym_scale): RTN, GPTQ and AWQ configs all round onto it."""
+
+    def grid(self) -> IntGrid:
+        c: Any = self
+        return IntGrid(c.bits, c.sym, c.group_size, c.zero_min, c.mse, sym_scale=c.sym_scale)
 
 
 def fp16_exact(scale: torch.Tensor) -> torch.Tensor:

@@ -249,8 +249,11 @@ def _quantize(b: BlockShape, work: Workload) -> Footprint:
     if work.method in ("awq", "awq+gptq"):
         paused, search = _awq(b, work)
         phases += [(held, paused, 0), (0, search, 0)]  # statistics beside the paused forward; then its search
+    if work.method == "awq+gptq":  # GPTQ alone on the same block: its inputs, the float outputs, a second block
+        calib += (3 if work.tune_iters else 2) * work.tokens * b.hidden * F32
+        block *= 2
     if work.tune_iters:  # the block's inputs and float outputs kept beside `x`; a batch's graph and the offsets
-        calib += 2 * work.tokens * b.hidden * F32
+        calib += 0 if work.method == "awq+gptq" else 2 * work.tokens * b.hidden * F32
         phases.append((work.batch * _sample_activations(b, work.seqlen), 0, TUNE_COPIES * b.linear_params * F32))
     held, stats, weights = max(phases, key=sum)
     parts = (("block", block + copy), ("Hessians", stats), ("activations", held), ("weights", weights),
@@ -370,8 +373,8 @@ def block_work(b: BlockShape, work: Workload) -> tuple[float, int]:
         return fwd * (2 if work.gptaq else 1) + hessians * (2 if work.gptaq else 1) + gptq, columns
     if method == "awq":
         return 2 * fwd + hessians + awq_flops(b, work), 0
-    if method == "awq+gptq":
-        return 2 * fwd + 2 * hessians + awq_flops(b, work) + gptq, columns
+    if method == "awq+gptq":  # and GPTQ alone on the same block (its fallback), judged against the float outputs
+        return 3 * fwd + 3 * hessians + awq_flops(b, work) + 2 * gptq, 2 * columns
     if method == "rtn":
         return 20.0 * b.linear_params, 0
     if method == "imatrix":

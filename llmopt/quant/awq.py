@@ -22,6 +22,9 @@ Rounding follows on the target grid: round to nearest (`awq`) or GPTQ's error fe
 transformed block (`awq+gptq`). On a GGUF grid the searches round onto an integer grid of the same
 bits and sub-block size (llama.cpp's own searches are 10-20x slower), and the final rounding
 weighs columns by the scaled H's diagonal, as an imatrix.
+`awq+gptq` also quantizes each block by GPTQ alone (`fallback`); the pipeline keeps whichever of the
+two leaves the lower mean squared error of the block's outputs against the float block's on the
+calibration tokens, so it is never worse than GPTQ there, for about GPTQ's time on top of its own.
 """
 
 from __future__ import annotations
@@ -208,6 +211,8 @@ class AWQ:
         self.config = config
         self.name = config.name
         self.gptq = GPTQ(config.gptq) if config.gptq is not None else None
+        # awq+gptq is never worse than its GPTQ alone on a block's output (the pipeline runs both, keeps the better)
+        self.fallback = GPTQ(config.gptq) if config.gptq is not None else None
         self.stage_statistics = self.gptq is not None
         self.full_precision_inputs = bool(self.gptq and self.gptq.full_precision_inputs)
         self.importance: dict[str, torch.Tensor] = {}  # per linear: the scaled inputs' diag H (GGUF rounding)

@@ -105,6 +105,10 @@ class Method(Protocol):
 class BlockTransform(Protocol):
     """The optional part of a method that changes a block before rounding it (AWQ)."""
 
+    # the rounding without the change, run on the same block too; the pipeline keeps whichever leaves the
+    # lower output error against the float block (awq+gptq: GPTQ alone), or None
+    fallback: Method | None
+
     def block_collector(self, features: int, device: torch.device) -> Collector | None: ...
 
     def transform_block(self, block: BlockAccess) -> BlockChanges: ...

@@ -239,8 +239,48 @@ def _calibrated(source: ModelSource, spec: QuantizeSpec, method: Method, tokens:
 def _calibrated_block(source: ModelSource, spec: QuantizeSpec, method: Method, layer: int, x: torch.Tensor,
                       x_fp: torch.Tensor | None, chunks: list[slice], cos: torch.Tensor,
                       sin: torch.Tensor) -> BlockResult:  # fmt: skip
-    """Quantize block `layer` stage by stage; `x` (and `x_fp`) advance in place to its outputs."""
+    """Quantize block `layer` (by the method, or by its fallback where that leaves the lower output error),
+    then tune it if asked; `x` (and `x_fp`) advance in place to its outputs."""
     start = time.perf_counter()
+    fallback = getattr(method, "fallback", None)
+    keep = spec.tune is not None or fallback is not None
+    # what tuning fits to and the fallback is judged by: the float block's outputs on this block's inputs
+    x_in, targets = (x.clone(), torch.empty_like(x)) if keep else (x, None)
+    x_fp_in = x_fp.clone() if fallback is not None and x_fp is not None else None
+    block, run, floats, result = _method_block(source, spec, method, layer, x, x_fp, chunks, cos, sin, targets)
+    if fallback is not None:
+        error = _output_error(x, targets)
+        x_alt = x_in.clone() if spec.tune is not None else x_in  # (tuning starts from x_in again)
+        alt = _method_block(source, spec, fallback, layer, x_alt, x_fp_in, chunks, cos, sin, None)
+        alt_error = _output_error(x_alt, targets)
+        if alt_error < error:
+            block, run, floats, result = alt
+            x.copy_(x_alt)
+            if x_fp is not None:
+                x_fp.copy_(x_fp_in)
+        for report in result.reports:
+            report.details.update(block_error=min(error, alt_error), fallback_error=alt_error, method_error=error,
+                                  fallback_kept=int(alt_error < error))  # fmt: skip
+        del x_alt, alt
+    if spec.tune is not None:
+        _tune(block, run, layer, source, spec, floats, x_in, targets, result)
+        for i in range(len(chunks)):  # the block's outputs with the tuned weights
+            x[chunks[i]] = run(x_in[chunks[i]], cos, sin)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _output_error(out: torch.Tensor, targets: torch.Tensor) -> float:
+    """Mean squared error of a block's outputs against the float block's, over every calibration token."""
+    return float(sum(((out[i] - targets[i]) ** 2).mean(dtype=torch.float64) for i in range(out.shape[0])) / out.shape[0])
+
+
+def _method_block(source: ModelSource, spec: QuantizeSpec, method: Method, layer: int, x: torch.Tensor,
+                  x_fp: torch.Tensor | None, chunks: list[slice], cos: torch.Tensor, sin: torch.Tensor,
+                  targets: torch.Tensor | None) -> tuple[nn.Module, nn.Module, dict[str, torch.Tensor], BlockResult]:  # fmt: skip
+    """The method's pass over block `layer` stage by stage; `x` (and `x_fp`) advance in place to its
+    outputs, `targets` (when given) is filled with the float block's. Returns the block, its forward
+    copy, the float weights the method rounded (after any transform; kept for tuning) and the result."""
     stages = source.arch.family.stages
     device = x.device
     block = load_block(source, layer, torch.float32, device)  # the weights the method quantizes
@@ -251,8 +291,7 @@ def _calibrated_block(source: ModelSource, spec: QuantizeSpec, method: Method, l
         return run(x[chunks[i]], cos, sin)
 
     experts = source.arch.family.experts
-    if spec.tune is not None:  # what tuning fits to: the float block's outputs on this block's inputs
-        x_in, targets = x.clone(), torch.empty_like(x)
+    if targets is not None:
         for i in range(len(chunks)):
             targets[chunks[i]] = forward(i)
     if hasattr(method, "block_collector"):  # a method that changes the block first (AWQ)
@@ -292,12 +331,7 @@ def _calibrated_block(source: ModelSource, spec: QuantizeSpec, method: Method, l
             for i, out in staged.outputs():  # the block's outputs with every weight quantized
                 x[chunks[i]] = out
         _warn_routed(layer, routed, x.shape[-1])
-    if spec.tune is not None:
-        _tune(block, run, layer, source, spec, floats, x_in, targets, result)
-        for i in range(len(chunks)):  # the block's outputs with the tuned weights
-            x[chunks[i]] = run(x_in[chunks[i]], cos, sin)
-    result.seconds = time.perf_counter() - start
-    return result
+    return block, run, floats, result
 
 
 def _tune(block: nn.Module, run: nn.Module, layer: int, source: ModelSource, spec: QuantizeSpec,

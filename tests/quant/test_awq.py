@@ -100,6 +100,34 @@ def test_awq_beats_round_to_nearest_on_the_same_grid(tmp_path, family, kv_heads)
     assert awq < 0.9 * rtn, (float(awq), float(rtn))
 
 
+def test_awq_gptq_keeps_the_better_of_itself_and_gptq_per_block(tmp_path) -> None:
+    """awq+gptq runs GPTQ alone on each block too and keeps the pass with the lower output error against
+    the float block: every block reports both errors and keeps the minimum; blocks that keep GPTQ carry
+    GPTQ's own codes (no folded norm), the others awq+gptq's."""
+    from llmopt.quant.gptq import GPTQConfig
+
+    path = make_tiny_hf(tmp_path / "m", "llama", kv_heads=2, layers=3)
+    with open_model(path) as src, torch.no_grad():
+        tokens = _tokens(src, n=16, t=48)
+        gptq = GPTQConfig(2, 32, False)
+        both = list(quantize_model(src, QuantizeSpec(AWQConfig(2, 32, gptq=gptq)), tokens))
+        alone = list(quantize_model(src, QuantizeSpec(gptq), tokens))
+    same_inputs, kept = True, []  # GPTQ alone saw the same inputs while every earlier block kept it too
+    for mine, theirs in zip(both, alone):
+        details = mine.reports[0].details
+        assert details["block_error"] == min(details["method_error"], details["fallback_error"])
+        assert all(r.details["fallback_kept"] == details["fallback_kept"] for r in mine.reports)
+        kept.append(details["fallback_kept"])
+        if details["fallback_kept"]:
+            assert not mine.updated
+            if same_inputs:
+                assert all(torch.equal(mine.tensors[n].codes, theirs.tensors[n].codes) for n in mine.tensors)
+        else:
+            assert mine.updated  # the norms AWQ folded its scales into
+        same_inputs = same_inputs and bool(details["fallback_kept"])
+    assert 0 < sum(kept) < len(kept), kept  # (both occur on this model: the test's premise)
+
+
 @pytest.mark.parametrize("type_name, bits", [("Q4_K", 4), ("Q6_K", 6), ("Q8_0", 8), ("IQ4_NL", 4), ("IQ4_XS", 4),
                                              ("MXFP4", 4), ("NVFP4", 4), ("TQ2_0", 2)])  # fmt: skip
 def test_search_grid_stands_in_with_the_levels_bits(type_name, bits):

@@ -31,9 +31,12 @@ CONFIGS: dict[str, list[str]] = {  # G: the group size (--group-size, 128 by def
     "rtn-w4-asym": ["--method", "rtn", "--bits", "4", "--asym", "--format", "awq"],
     "awq-w4-asym": ["--method", "awq", "--bits", "4", "--asym"],
     "awq-w4-sym": ["--method", "awq", "--bits", "4", "--sym"],
+    "awq-w4-sym-tight": ["--method", "awq", "--bits", "4", "--sym", "--sym-scale", "tight"],
     "awq+gptq-w4-asym": ["--method", "awq+gptq", "--bits", "4", "--asym", "--damp", "0.05"],
     "awq+gptq-w4-asym-mse-refit": ["--method", "awq+gptq", "--bits", "4", "--asym", "--damp", "0.05", "--mse",
                                    "--refit-scales"],
+    # GPTQ at awq+gptq-w4-asym's own settings (damp 0.05, group-aware order by default): its fallback alone
+    "gptq-w4-asym": ["--method", "gptq", "--bits", "4", "--asym", "--damp", "0.05", "--format", "awq"],
     # our best GPTQ that the AWQ format holds (no g_idx): group-aware order, clipping search, refit scales
     "gptq-w4-asym-gar-mse-refit": ["--method", "gptq", "--bits", "4", "--asym", "--damp", "0.05", "--group-aware-order",
                                    "--mse", "--refit-scales", "--format", "awq"],

@@ -242,7 +242,7 @@ class QuantizeOptions(CalibrationOptions, RoundingOptions, AutomixOptions, Shard
                               "--asym for awq methods, --sym otherwise.", flags=("--sym/--asym",), show_default=False)  # fmt: skip
     sym_scale: str | None = option(None, "Symmetric grid's scale: gptq (2·max|w|/(2^bits-1), GPTQ's convention) or "
                                    "tight (the smallest scale whose codes reach both the group's max and min, the "
-                                   "extra negative code used). Default: gptq.", choices=SYM_SCALES, show_default=False)  # fmt: skip
+                                   "extra negative code used). Default: tight for awq methods, gptq otherwise.", choices=SYM_SCALES, show_default=False)  # fmt: skip
     mse: bool = option(False, "Search a clipping range per group instead of min/max.")
     refit_scales: bool = option(False, "GPTQ: re-solve each group's scale for the final codes (least squares on the "
                                 "layer's output error).")  # fmt: skip

@@ -32,6 +32,13 @@ def default_sym(method: str) -> bool:
     return not method.startswith("awq")
 
 
+def default_sym_scale(method: str) -> str:
+    """AWQ's symmetric grid is the tight one (its scales make the salient weights a group's ends, which GPTQ's
+    convention leaves half a step off: off-grid SmolLM2 w4 g128 perplexity 33.32 against 34.42); RTN and GPTQ
+    keep GPTQ's convention, the one GPTQModel writes."""
+    return "tight" if method.startswith("awq") else "gptq"
+
+
 def build_spec(o: QuantizeOptions, method: str, sym: bool, *, act_dtype: torch.dtype = torch.float32,
                zero_min: int = 0) -> QuantizeSpec:
     """The typed config of `method` from checked options. `group_aware=None` means GPTQModel's
@@ -47,7 +54,7 @@ def build_spec(o: QuantizeOptions, method: str, sym: bool, *, act_dtype: torch.d
         raise OptionError("turning off <clip> (AWQ's clipping search) applies to <method> awq and awq+gptq")
     if o.sym_scale is not None and not sym:
         raise OptionError("<sym_scale> chooses the symmetric grid's scale: it needs <sym>")
-    sym_scale = o.sym_scale or "gptq"
+    sym_scale = o.sym_scale or default_sym_scale(method)
     common = dict(quantize_head=o.quantize_head, batch_size=o.batch_size, act_dtype=act_dtype)
     if o.iters:
         if o.scheme is not None:

@@ -26,13 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.quality import DATA, source_model, timed  # noqa: E402
+from benchmarks.quality import DATA, kl_scores, source_model, timed  # noqa: E402
 
 # argv: src out bits group sym(0/1) iters format tokens.safetensors seed batch; tokens [n, t] int64
 AUTOROUND_SNIPPET = r"""
@@ -106,12 +105,6 @@ def run_llmopt(src: Path, out: Path, cfg: dict, iters: int, nsamples: int, seqle
     return {**timed(cmd), "path": out}
 
 
-def evaluate(models: list[str], ref: str, windows: int) -> list[dict]:
-    cmd = [sys.executable, "-m", "llmopt.cli.app", "--json", "eval", *models, "--ref", ref, "--data",
-           str(DATA / "test.txt"), "--ctx", "512", "--windows", str(windows)]
-    return json.loads(subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True).stdout)["models"]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--autoround-python", required=True, help="A python with auto-round installed (see above).")
@@ -143,7 +136,7 @@ def main() -> None:
                              args.batch_size)  # fmt: skip
             rows.append({"tool": "llmopt", "config": name, "iters": iters, **_measured(run)})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    for row, scored in zip(rows, evaluate([r["path"] for r in rows], str(src), args.windows)):
+    for row, scored in zip(rows, kl_scores([r["path"] for r in rows], str(src), args.windows)):
         row.update(kl=scored["kl_divergence"], ppl=scored["perplexity"], top1=scored["top1_agreement"])
     print(f"\n{'config':8} {'tool':10} {'iters':>5} {'KL':>9} {'ppl':>9} {'top-1':>7} {'MiB':>8} {'seconds':>8} {'peak MiB':>8}")
     for r in rows:

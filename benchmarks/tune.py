@@ -15,21 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.quality import DATA, run_llmopt, source_model  # noqa: E402
-
-
-def evaluate(models: list[str], ref: str, windows: int) -> list[dict]:
-    """One `llmopt eval` of every model against `ref` (the reference's forward shared by all)."""
-    cmd = [sys.executable, "-m", "llmopt.cli.app", "--json", "eval", *models, "--ref", ref, "--data",
-           str(DATA / "test.txt"), "--ctx", "512", "--windows", str(windows)]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True).stdout
-    return json.loads(out)["models"]
+from benchmarks.quality import kl_scores, run_llmopt, source_model  # noqa: E402
 
 
 def main() -> None:
@@ -65,7 +56,7 @@ def main() -> None:
                              "peak_rss_mib": run["peak_rss_mib"]})  # fmt: skip
                 outputs.append(str(out))
                 print(f"{config} seed {seed}: {run['seconds']} s", file=sys.stderr, flush=True)
-    for row, scored in zip(rows, evaluate(outputs, src, args.windows)):
+    for row, scored in zip(rows, kl_scores(outputs, src, args.windows)):
         row.update(kl=scored["kl_divergence"], ppl=scored["perplexity"], top1=scored["top1_agreement"])
     print(f"\n{'config':28} {'seed':>4} {'KL':>9} {'ppl':>9} {'top-1':>7} {'seconds':>8}")
     for r in rows:

@@ -53,7 +53,8 @@ class QuantizeResult:
     def to_dict(self) -> dict[str, Any]:
         m = self.spec.method
         return {"output": str(self.output), "format": self.fmt, "method": m.name, "bits": m.bits,
-                "group_size": m.group_size, "sym": m.sym, **({"sym_scale": m.sym_scale} if m.sym else {}), "act_order": bool(getattr(m, "act_order", False)),
+                "group_size": m.group_size, "sym": m.sym, **({"sym_scale": m.sym_scale} if m.sym else {}),
+                "act_order": bool(getattr(m, "act_order", False)),
                 "calibration": self.calibration, "seconds": round(self.seconds, 2),
                 "layers": [layer_row(r) for r in self.reports],
                 "blocks": [{"layer": layer, "seconds": round(s, 3)} for layer, s in self.block_seconds],

@@ -249,11 +249,13 @@ def _quantize(b: BlockShape, work: Workload) -> Footprint:
     if work.method in ("awq", "awq+gptq"):
         paused, search = _awq(b, work)
         phases += [(held, paused, 0), (0, search, 0)]  # statistics beside the paused forward; then its search
-    if work.method == "awq+gptq":  # GPTQ alone on the same block: its inputs, the float outputs, a second block
-        calib += (3 if work.tune_iters else 2) * work.tokens * b.hidden * F32
+    fallback = work.method == "awq+gptq"  # GPTQ alone on the same block too: a second block
+    if fallback:
         block *= 2
-    if work.tune_iters:  # the block's inputs and float outputs kept beside `x`; a batch's graph and the offsets
-        calib += 0 if work.method == "awq+gptq" else 2 * work.tokens * b.hidden * F32
+    # beside `x`, for tuning and the fallback: the block's inputs and the float outputs (and the fallback's own
+    # copy of the inputs when both run)
+    calib += (2 * (fallback or work.tune_iters > 0) + (fallback and work.tune_iters > 0)) * work.tokens * b.hidden * F32
+    if work.tune_iters:  # a batch's graph and the offsets
         phases.append((work.batch * _sample_activations(b, work.seqlen), 0, TUNE_COPIES * b.linear_params * F32))
     held, stats, weights = max(phases, key=sum)
     parts = (("block", block + copy), ("Hessians", stats), ("activations", held), ("weights", weights),

@@ -211,8 +211,9 @@ class AWQ:
         self.config = config
         self.name = config.name
         self.gptq = GPTQ(config.gptq) if config.gptq is not None else None
-        # awq+gptq is never worse than its GPTQ alone on a block's output (the pipeline runs both, keeps the better)
-        self.fallback = GPTQ(config.gptq) if config.gptq is not None else None
+        # awq+gptq is never worse than its GPTQ alone on a block's output (the pipeline runs both, keeps the better;
+        # GPTQ holds no state between stages, so the one instance serves both)
+        self.fallback = self.gptq
         self.stage_statistics = self.gptq is not None
         self.full_precision_inputs = bool(self.gptq and self.gptq.full_precision_inputs)
         self.importance: dict[str, torch.Tensor] = {}  # per linear: the scaled inputs' diag H (GGUF rounding)

@@ -44,8 +44,7 @@ import torch
 from llmopt.calibration.hessian import HessianAccumulator
 from llmopt.errors import OptionError
 from llmopt.quant.grids import Grid, IntGrid
-from llmopt.quant.grids.integer import OnIntGrid
-from llmopt.quant.grids.integer import IntParams
+from llmopt.quant.grids.integer import IntParams, OnIntGrid
 from llmopt.quant.method import Collector, Quantized
 from llmopt.options import QuantizeOptions
 from llmopt.quantized_tensor import QuantizedTensor

@@ -1,6 +1,6 @@
 """SmolLM2 in compressed-tensors, written once per module: the compressed-tensors package decompresses it to the
 weights llmopt reads, transformers greedy-decodes the tokens llmopt's runtime does, and GPTQ written in this
-format holds the same codes as the same run's GPTQ checkpoint."""
+format holds the same codes as the same run's GPTQ checkpoint; the same holds for GPTQ with learned rounding."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from llmopt.model import open_model
 from llmopt.quant.gptq import GPTQConfig
 from llmopt.quant.pipeline import QuantizeSpec, quantize_model
 from llmopt.quant.rtn import RTNConfig
+from llmopt.quant.tune import TuneConfig
 from tests.factories import write_checkpoint
 from tests.formats.test_compressed_tensors import package_weights
 
@@ -28,7 +29,8 @@ PROMPT = "The history of the Roman Empire"
 @pytest.fixture(scope="module")
 def smol_ct(smollm2_hf, tmp_path_factory):
     """W4A16 g64 by GPTQ with act-order and static groups, written by one pipeline run both as a GPTQ and as a
-    compressed-tensors checkpoint; RTN W4A16 asymmetric g64 and W8A16 per channel. (Group 64, not 128: SmolLM2's
+    compressed-tensors checkpoint; the same GPTQ with a few steps of learned rounding (`--iters`); RTN W4A16
+    asymmetric g64 and W8A16 per channel. (Group 64, not 128: SmolLM2's
     576-wide inputs hold 4.5 groups of 128, and compressed-tensors' decompressor, like vLLM, takes whole groups.)"""
     root = tmp_path_factory.mktemp("smol-ct")
     out = {}
@@ -41,13 +43,16 @@ def smol_ct(smollm2_hf, tmp_path_factory):
                 gptq.add(block)
                 ct.add(block)
             out["gptq"], out["w4-gptq"] = gptq.finish(), ct.finish()
+        tuned = QuantizeSpec(spec.method, batch_size=4, tune=TuneConfig(5, None, 4, seed=0))
+        out["w4-gptq-tuned"] = write_checkpoint(src, tuned, quantize_model(src, tuned, tokens), root / "w4-gptq-tuned",
+                                                fmt="compressed-tensors")  # fmt: skip
         for name, method in (("w4-asym", RTNConfig(4, 64, sym=False)), ("w8-channel", RTNConfig(8, -1))):
             spec = QuantizeSpec(method)
             out[name] = write_checkpoint(src, spec, quantize_model(src, spec), root / name, fmt="compressed-tensors")
     return out
 
 
-@pytest.mark.parametrize("name", ["w4-gptq", "w4-asym", "w8-channel"])
+@pytest.mark.parametrize("name", ["w4-gptq", "w4-gptq-tuned", "w4-asym", "w8-channel"])
 def test_package_decompresses_the_weights_llmopt_reads(smol_ct, name):
     """Every linear: the package's decompressor (in the float16 of the scales) equals llmopt's float32 weights
     rounded to float16, max abs diff 0."""
@@ -58,7 +63,7 @@ def test_package_decompresses_the_weights_llmopt_reads(smol_ct, name):
             assert torch.equal(w, src.load(f"{module}.weight").half()), module
 
 
-@pytest.mark.parametrize("name", ["w4-gptq", "w8-channel"])
+@pytest.mark.parametrize("name", ["w4-gptq", "w4-gptq-tuned", "w8-channel"])
 def test_transformers_greedy_tokens_are_llmopts(smol_ct, name):
     """32 greedy tokens from transformers (its compressed-tensors quantizer) and from llmopt's runtime (packed
     layers as bit planes), float32. transformers 5.25 with compressed-tensors 0.20.1 does not load asymmetric
@@ -83,6 +88,14 @@ def test_gptq_in_compressed_tensors_has_the_gptq_checkpoints_codes(smol_ct):
             a, b = gptq.quantized(module), ct.quantized(module)
             assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales), module
             assert torch.equal(a.zeros, b.zeros) and torch.equal(a.group_index(), b.group_index()), module
+
+
+def test_learned_rounding_moved_codes_off_gptqs(smol_ct):
+    """The tuned file is not GPTQ's again: learned rounding changed codes, on the same groups."""
+    with open_model(smol_ct["w4-gptq"]) as gptq, open_model(smol_ct["w4-gptq-tuned"]) as tuned:
+        moved = [m for m in gptq.modules if not torch.equal(gptq.quantized(m).codes, tuned.quantized(m).codes)]
+        assert all(torch.equal(gptq.quantized(m).group_index(), tuned.quantized(m).group_index()) for m in gptq.modules)
+    assert len(moved) > 30, moved
 
 
 @pytest.fixture(scope="module")

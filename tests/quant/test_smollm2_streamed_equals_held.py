@@ -2,8 +2,8 @@
 
 The pipeline (quant/pipeline.py) reads each block's tensors lazily from the files and releases their
 pages when the block is done; the whole-model path is the same model with every tensor read into
-memory before the first block (`HeldWhole`). On SmolLM2, AWQ, AWQ+GPTQ and GPTQ onto a GGUF grid give
-the same codes, scales and folded tensors both ways, compared as the bytes a writer receives.
+memory before the first block (`HeldWhole`). On SmolLM2, AWQ, AWQ+GPTQ, GPTQ onto a GGUF grid and GPTQ with
+learned rounding give the same codes, scales and folded tensors both ways, compared as the bytes a writer receives.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from llmopt.quant.awq import AWQConfig
 from llmopt.quant.gptq import GPTQConfig
 from llmopt.quant.grids import GRIDS
 from llmopt.quant.pipeline import QuantizeSpec, quantize_model
+from llmopt.quant.tune import TuneConfig
 from tests.quant.smollm2 import short_protocol
 
 
@@ -63,6 +64,7 @@ SPECS = {
     # Q4_K where the rows fill its 256-blocks (SmolLM2's down_proj), else Q5_0, llama.cpp's fallback
     "gptq-on-grid": lambda: QuantizeSpec(GPTQConfig(4, 32, sym=False),
                                          grids=lambda name: GRIDS["Q4_K" if name.endswith("down_proj") else "Q5_0"]),
+    "gptq+tune": lambda: QuantizeSpec(GPTQConfig(2, 64, sym=False), batch_size=2, tune=TuneConfig(4, None, 2, seed=0)),
 }
 
 

@@ -96,9 +96,14 @@ def run_llmopt(src: str, out: str, options: list[str], nsamples: int, seqlen: in
 
 def llmopt_row(config: str, seed: int, out: Path, run: dict) -> dict:
     """One table row for an llmopt run: perplexity of its output, wall time, mean seconds per layer, peak RSS."""
-    per_layer = [b["seconds"] for b in json.loads(run["stdout"])["blocks"]]
-    return {"config": config, "seed": seed, "ppl": round(perplexity(str(out)), 2), "seconds": run["seconds"],
-            "s_per_layer": round(sum(per_layer) / len(per_layer), 2), "peak_rss_mib": run["peak_rss_mib"]}
+    summary = json.loads(run["stdout"])
+    per_layer = [b["seconds"] for b in summary["blocks"]]
+    row = {"config": config, "seed": seed, "ppl": round(perplexity(str(out)), 2), "seconds": run["seconds"],
+           "s_per_layer": round(sum(per_layer) / len(per_layer), 2), "peak_rss_mib": run["peak_rss_mib"]}
+    kept = {r["name"].rsplit(".", 2)[0]: r["fallback_kept"] for r in summary["layers"] if "fallback_kept" in r}
+    if kept:  # a method with a fallback (awq+gptq): the blocks that kept it (GPTQ alone)
+        row["fallback_blocks"] = f"{sum(kept.values())}/{len(kept)}"
+    return row
 
 
 def run_gptqmodel(python: str, src: str, out: str, method: str, bits: int, sym: str, nsamples: int, seqlen: int,
@@ -148,10 +153,10 @@ def seed_means(rows: list[dict]) -> list[dict]:
 def print_tables(rows: list[dict], seeds: list[int], name: str, extra: dict) -> None:
     """The run table, the per-config means over seeds, and one JSON line with everything."""
     print()
-    print(f"{'config':48} {'seed':>4} {'ppl':>8} {'seconds':>9} {'s/layer':>8} {'RSS MiB':>8}")
+    print(f"{'config':48} {'seed':>4} {'ppl':>8} {'seconds':>9} {'s/layer':>8} {'RSS MiB':>8} {'fallback':>8}")
     for r in rows:
         print(f"{r['config']:48} {r.get('seed', ''):>4} {r['ppl']:8.2f} {r.get('seconds', ''):>9} "
-              f"{r.get('s_per_layer', ''):>8} {r.get('peak_rss_mib', ''):>8}")  # fmt: skip
+              f"{r.get('s_per_layer', ''):>8} {r.get('peak_rss_mib', ''):>8} {r.get('fallback_blocks', ''):>8}")  # fmt: skip
     means = seed_means(rows) if len(seeds) > 1 else []
     if means:
         print(f"\n{'config':48} {'seeds':>5} {'mean ppl':>9} {'min':>7} {'max':>7} {'mean s':>8}")

@@ -157,6 +157,7 @@ def fp8_values(codes: torch.Tensor) -> torch.Tensor:
 FP4_VALUES: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 FP4_CODE_OFFSET = 128
 FP4_CODES = torch.tensor(FP4_VALUES, dtype=torch.int32) + FP4_CODE_OFFSET  # the code of each index
+FP4_LEVELS: tuple[int, ...] = tuple(sorted({v + FP4_CODE_OFFSET for v in FP4_VALUES}))  # the 15 codes, ascending
 FP4_INDEX_OF_CODE = torch.zeros(256, dtype=torch.uint8)  # code -> the first index with that value (0 for ±0)
 for _i in reversed(range(len(FP4_VALUES))):
     FP4_INDEX_OF_CODE[int(FP4_CODES[_i])] = _i

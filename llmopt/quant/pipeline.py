@@ -336,16 +336,18 @@ def _method_block(source: ModelSource, spec: QuantizeSpec, method: Method, layer
 
 def _tune(block: nn.Module, run: nn.Module, layer: int, source: ModelSource, spec: QuantizeSpec,
           floats: dict[str, torch.Tensor], x_in: torch.Tensor, targets: torch.Tensor, result: BlockResult) -> None:  # fmt: skip
-    """Learned rounding of the block's linears on evenly spaced grids from the method's results (quant/tune.py); the
-    tuned codes replace the results, their reports and the weights of the block and its forward copy."""
+    """Learned rounding of the block's linears on evenly spaced or levelled grids from the method's results
+    (quant/tune.py); the tuned codes replace the results, their reports and the weights of the block and its
+    forward copy."""
     prefix = f"model.layers.{layer}."
     device = x_in.device
     start = {name.removeprefix(prefix): qt.to(device) for name, qt in result.tensors.items()
              if name.startswith(prefix) and tunable(spec.grid_for(name))}  # fmt: skip
     if not start:
         return
+    levels = {lin: getattr(spec.grid_for(prefix + lin), "levels", None) for lin in start}
     cos, sin = Rotary(source.arch).to(device)(0, x_in.shape[1], torch.float32)
-    tuned, details = tune_block(block, floats, start, block_forward(x_in, cos, sin), targets, spec.tune, layer)
+    tuned, details = tune_block(block, floats, start, block_forward(x_in, cos, sin), targets, spec.tune, layer, levels)
     reports = {r.name: r for r in result.reports}
     for lin, qt in tuned.items():
         name = prefix + lin

@@ -19,7 +19,7 @@ from llmopt.quant.grids.fp4 import MXFP4, mxfp4_grid
 from llmopt.quant.grids.nvfp4 import NVFP4, nvfp4_grid
 from llmopt.quant.pipeline import QuantizeSpec, head_weight_name
 from llmopt.quant.rtn import RTNConfig
-from llmopt.quant.tune import TuneConfig
+from llmopt.quant.tune import TuneConfig, tunable
 
 # each `--scheme`'s grid for every linear, and the (bits, group size) a method config states for it
 SCHEME_GRIDS = {"fp8-dynamic": (fp8_grid, 8, -1), "fp8": (fp8_grid, 8, -1), "nvfp4a16": (nvfp4_grid, 4, NVFP4.group_size),
@@ -57,8 +57,9 @@ def build_spec(o: QuantizeOptions, method: str, sym: bool, *, act_dtype: torch.d
     sym_scale = o.sym_scale or default_sym_scale(method)
     common = dict(quantize_head=o.quantize_head, batch_size=o.batch_size, act_dtype=act_dtype)
     if o.iters:
-        if o.scheme is not None:
-            raise OptionError(f"<iters> (learned rounding) tunes the integer grid; <scheme> {o.scheme}'s float grid is not")
+        if o.scheme is not None and not tunable(SCHEME_GRIDS[o.scheme][0]("")):
+            raise OptionError(f"<iters> (learned rounding) tunes the integer and FP4 grids; <scheme> {o.scheme}'s FP8 "
+                              "grid is not")  # fmt: skip
         common["tune"] = TuneConfig(o.iters, o.lr, o.batch_size, o.seed)
     elif o.lr is not None:
         raise OptionError("<lr> is learned rounding's step size: it needs <iters> > 0")
@@ -104,7 +105,8 @@ def _scheme_spec(o: QuantizeOptions, method: str, common: dict) -> QuantizeSpec:
         return QuantizeSpec(config, grids=grids, **common)
     if o.act_order or o.static_groups or o.refit_scales or o.gptaq or o.group_aware:
         raise OptionError(f"{GPTQ_ONLY} apply to <method> gptq and awq+gptq")
-    return QuantizeSpec(RTNConfig(bits, group_size, True, observe_inputs=o.calibrated), grids=grids, **common)
+    return QuantizeSpec(RTNConfig(bits, group_size, True, observe_inputs=o.scheme in CALIBRATED_SCHEMES), grids=grids,
+                        **common)
 
 
 def check_shapes(source: ModelSource, spec: QuantizeSpec) -> None:

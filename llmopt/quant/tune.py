@@ -20,12 +20,18 @@ ones with the lower error over all the calibration tokens are kept, and only whe
 below the method's: tuning never makes a block worse on them than the method it starts from.
 Steps draw `batch_size` samples from a generator seeded with (`seed`, block index): the same seed,
 the same codes.
+
+A grid whose codes are a set of integers rather than all of them (FP4's 15 levels, `Grid.levels`) is
+tuned the same way along its levels: u is placed between its two neighbouring levels (position k + a
+fraction), the offsets move the position, the code is the level at the rounded position, and the
+gradient flows through the straight line between the two levels. On evenly spaced codes the
+position is the code, and the two are one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -61,12 +67,13 @@ class _Linear:
     scale: torch.Tensor  # float32 [out or 1, groups]
     zero: torch.Tensor  # float32, broadcast like `scale`
     columns: torch.Tensor  # [in] group of each column
-    offset: torch.Tensor  # d0: the method's codes relative to w / s + z
+    offset: torch.Tensor  # d0: the method's codes relative to w / s + z, as positions on the levels
     v: torch.Tensor  # learned rounding offset, [-0.5, 0.5]
     gain: torch.Tensor  # learned scale gain per group
+    levels: Levels
 
     @classmethod
-    def of(cls, weight: torch.Tensor, start: QuantizedTensor) -> _Linear:
+    def of(cls, weight: torch.Tensor, start: QuantizedTensor, levels: tuple[int, ...] | None = None) -> _Linear:
         scale = start.scales.to(torch.float32)
         if start.mins is not None:  # ŵ = q·s − m: the zero point m/s (a sub-block with s = 0 keeps its codes)
             zero = torch.where(scale != 0, start.mins.to(torch.float32) / scale, torch.zeros_like(scale))
@@ -76,18 +83,19 @@ class _Linear:
             zero = torch.full_like(scale, float(1 << (start.bits - 1)))
         columns = start.group_index()
         s = scale[:, columns]
-        u = weight / torch.where(s != 0, s, 1.0) + zero[:, columns]  # where each weight sits between codes
+        grid = Levels.of(levels, start.bits, weight.device)
+        u = grid.position(weight / torch.where(s != 0, s, 1.0) + zero[:, columns])  # where each weight sits between codes
         # the method's code, each weight keeping its distance to the nearest rounding boundary (nudged off a tie)
-        offset = start.codes.to(torch.float32) - u + (u - torch.round(u)).clamp(-0.49, 0.49)
+        offset = grid.position(start.codes.to(torch.float32)) - u + (u - torch.round(u)).clamp(-0.49, 0.49)
         v = torch.zeros_like(weight, requires_grad=True)
-        # a scale a checkpoint stores as a float16 may change; GGUF types store theirs as sub-scale codes
+        # a scale a checkpoint stores as a float16 may change; GGUF and FP4 types store theirs as codes
         gain = torch.zeros_like(scale, requires_grad=start.grid == "int")
-        return cls(weight, start, scale, zero, columns, offset, v, gain)
+        return cls(weight, start, scale, zero, columns, offset, v, gain, grid)
 
     def codes(self, scale: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Codes (float, straight-through rounded) for per-column `scale` and offsets `v`."""
-        x = self.weight / torch.where(scale != 0, scale, 1.0) + self.zero[:, self.columns] + self.offset + v
-        return torch.clamp(x + (torch.round(x) - x).detach(), 0, (1 << self.start.bits) - 1)
+        u = self.weight / torch.where(scale != 0, scale, 1.0) + self.zero[:, self.columns]
+        return self.levels.code(self.levels.position(u) + self.offset + v)
 
     def dequantized(self) -> torch.Tensor:
         """ŵ with the current offsets and gains, differentiable in both."""
@@ -122,21 +130,59 @@ class _Linear:
             self.gain.copy_(state[1])
 
 
+@dataclass(frozen=True)
+class Levels:
+    """The codes a weight may take, as positions 0..n−1: every integer of `bits` (`table` None: the position is
+    the code), or an ascending set of them (`Grid.levels`), between which a position is a straight line."""
+
+    top: int  # the last position
+    table: torch.Tensor | None  # float32 [n] the codes, ascending; None: 0..top
+
+    @staticmethod
+    def of(levels: tuple[int, ...] | None, bits: int, device: torch.device) -> Levels:
+        if levels is None:
+            return Levels((1 << bits) - 1, None)
+        return Levels(len(levels) - 1, torch.tensor(levels, dtype=torch.float32, device=device))
+
+    def position(self, u: torch.Tensor) -> torch.Tensor:
+        """Where code-valued `u` lies on the levels, clamped to the ends (exact at a level)."""
+        if self.table is None:
+            return u
+        k = (torch.searchsorted(self.table, u.detach().contiguous(), right=True) - 1).clamp(0, self.top - 1)
+        lo, hi = self.table[k], self.table[k + 1]
+        return (k + (u - lo) / (hi - lo)).clamp(0, self.top)
+
+    def code(self, x: torch.Tensor) -> torch.Tensor:
+        """The code at rounded position `x` (float), its gradient that of the line through the two levels
+        around x (straight-through)."""
+        x = x.clamp(0, self.top)
+        if self.table is None:
+            return x + (torch.round(x) - x).detach()
+        k = torch.floor(x.detach()).clamp(max=self.top - 1).long()
+        lo, hi = self.table[k], self.table[k + 1]
+        line = lo + (x - k) * (hi - lo)
+        return line + (self.table[torch.round(x.detach()).long()] - line).detach()
+
+
 def tunable(grid: Grid) -> bool:
-    """Whether learned rounding applies to a linear's grid: evenly spaced codes (the integer grid of
-    GPTQ/AWQ/compressed-tensors checkpoints, GGUF's legacy and K types; not codebooks, lattices, FP4/FP8)."""
-    return bool(getattr(grid, "uniform", False))
+    """Whether learned rounding applies to a linear's grid: every weight s·q − m with codes evenly spaced
+    (the integer grid of GPTQ/AWQ/compressed-tensors checkpoints, GGUF's legacy and K types) or on a set of
+    levels (FP4: MXFP4, NVFP4); not codebooks, lattices or FP8."""
+    return bool(getattr(grid, "uniform", False)) or getattr(grid, "levels", None) is not None
 
 
 def tune_block(block: nn.Module, weights: dict[str, torch.Tensor], start: dict[str, QuantizedTensor],
                forward: Callable[[nn.Module, dict[str, torch.Tensor], slice], torch.Tensor],
-               targets: torch.Tensor, config: TuneConfig, layer: int) -> tuple[dict[str, QuantizedTensor], dict[str, float]]:  # fmt: skip
+               targets: torch.Tensor, config: TuneConfig, layer: int,
+               levels: Mapping[str, tuple[int, ...] | None] | None = None) -> tuple[dict[str, QuantizedTensor], dict[str, float]]:  # fmt: skip
     """Tune the linears of one block (block-relative name -> float weight, and the method's result).
 
     `forward(block, weights, samples)` runs the block on calibration samples with the given linear
-    weights; `targets` [n, t, hidden] is the float block's output. Returns the tuned results (or the
-    start, where tuning did not lower the error over every sample) and the block's losses."""
-    linears = {name: _Linear.of(weights[name], start[name]) for name in start}
+    weights; `targets` [n, t, hidden] is the float block's output; `levels` the codes of a linear whose
+    grid has a set of them (`Grid.levels`). Returns the tuned results (or the start, where tuning did
+    not lower the error over every sample) and the block's losses."""
+    levels = levels or {}
+    linears = {name: _Linear.of(weights[name], start[name], levels.get(name)) for name in start}
     n = targets.shape[0]
     batch = min(config.batch_size, n)
     generator = torch.Generator().manual_seed(config.seed * 1_000_003 + layer)

@@ -224,3 +224,37 @@ def test_gptq_onto_nvfp4_keeps_one_global_scale_per_fused_stage(tiny_models, tmp
             local = {k.rpartition(".")[2]: v for k, v in state.items() if k.rpartition(".")[0] == module}
             theirs = NVFP4PackedCompressor.decompress(local, scheme)["weight"]
             assert torch.equal(theirs, q.load(f"{module}.weight").to(torch.bfloat16)), module
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4a16", "mxfp4a16"])
+def test_learned_rounding_onto_fp4_is_what_the_package_and_transformers_read(tiny_models, tmp_path, llmopt_here,
+                                                                             scheme):  # fmt: skip
+    """`--scheme nvfp4a16|mxfp4a16 --iters`: codes tuned along FP4's levels from round-to-nearest, under its scales;
+    the package's decompressor and transformers hold exactly the weights llmopt reads back."""
+    import transformers
+    from compressed_tensors.compressors.mxfp4 import MXFP4PackedCompressor
+
+    (tmp_path / "calib.txt").write_text("\n".join(CORPUS))
+    common = ["quantize", tiny_models("llama"), "--scheme", scheme]
+    plain, tuned = tmp_path / "plain", tmp_path / "tuned"
+    assert llmopt_here(*common, "-o", plain).returncode == 0
+    result = llmopt_here(*common, "--iters", "40", "--calib", tmp_path / "calib.txt", "--nsamples", "8", "--seqlen", "32",
+                         "--batch-size", "4", "-o", tuned, "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    layers = json.loads(result.stdout)["layers"]
+    assert all(r["tune_mse"] <= r["tune_start_mse"] for r in layers) and any(r["tune_kept"] for r in layers)
+    config = QuantizationConfig.model_validate(json.loads((tuned / "config.json").read_text())["quantization_config"])
+    (group,) = config.config_groups.values()
+    compressor = NVFP4PackedCompressor if scheme == "nvfp4a16" else MXFP4PackedCompressor
+    a, b = load_file(plain / "model.safetensors"), load_file(tuned / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a if "scale" in k)  # the grid's scales are the untuned run's
+    assert any(not torch.equal(a[k], b[k]) for k in a if k.endswith(".weight_packed"))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tuned, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref(torch.tensor([[1, 2, 3]]))  # the first forward decompresses
+    with open_model(tuned) as q:
+        for module in sorted({k.rpartition(".")[0] for k in b if k.endswith(".weight_packed")}):
+            local = {k.rpartition(".")[2]: v for k, v in b.items() if k.rpartition(".")[0] == module}
+            ours = q.load(f"{module}.weight").to(torch.bfloat16)
+            assert torch.equal(compressor.decompress(local, group)["weight"].to(torch.bfloat16), ours), module
+            assert torch.equal(ref.get_submodule(module).weight, ours), module

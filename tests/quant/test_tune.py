@@ -1,6 +1,7 @@
 """Learned rounding (quant/tune.py): it starts exactly at the method's answer, never leaves a block
 worse on the calibration tokens than that answer, lowers it on a real block, and is deterministic
-under a seed; its checkpoint reads back with the tuned codes."""
+under a seed; its checkpoint reads back with the tuned codes. FP4's grids (a set of 15 levels) are
+tuned along their levels the same way."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch
 from llmopt.model import open_model
 from llmopt.quant.gptq import GPTQConfig
 from llmopt.quant.grids import IntGrid
+from llmopt.quant.grids.fp4 import MXFP4, NVFP4Grid
+from llmopt.quant.grids.nvfp4 import NVFP4, nvfp4_grid
 from llmopt.quant.pipeline import QuantizeSpec, quantize_model
 from llmopt.quant.rtn import RTNConfig
 from llmopt.quant.tune import TuneConfig, _Linear
@@ -35,6 +38,28 @@ def test_the_start_is_the_methods_answer(sym, group_size, g_idx) -> None:
     out = _Linear.of(w, qt).result()
     assert torch.equal(out.codes, qt.codes) and torch.equal(out.scales, qt.scales.float())
     assert torch.equal(out.dequantize(torch.float32), qt.dequantize(torch.float32))
+
+
+@pytest.mark.parametrize("grid", [MXFP4, NVFP4Grid(), NVFP4], ids=lambda g: g.name)
+def test_an_fp4_start_is_the_methods_answer_and_moves_along_the_levels(grid) -> None:
+    """FP4: with no offset the result is the method's codes (some a level off nearest, as GPTQ's are), bit for
+    bit; offsets move codes only to levels of the grid, by one level per half-step of offset; gradients flow."""
+    torch.manual_seed(0)
+    w = torch.randn(24, 128)
+    qt = grid.quantize(w)
+    levels = torch.tensor(grid.levels)
+    rank = torch.searchsorted(levels, qt.codes.long())
+    qt.codes = levels[(rank + torch.randint(-1, 2, rank.shape)).clamp(0, len(levels) - 1)].to(torch.uint8)
+    lin = _Linear.of(w, qt, grid.levels)
+    assert torch.equal(lin.result().codes, qt.codes)
+    assert torch.equal(lin.result().dequantize(torch.float32), qt.dequantize(torch.float32))
+    (lin.dequantized() - w).pow(2).sum().backward()
+    assert lin.v.grad.abs().sum() > 0
+    with torch.no_grad():
+        lin.v.fill_(0.5)
+    moved = torch.searchsorted(levels, lin.result().codes.long()) - torch.searchsorted(levels, qt.codes.long())
+    assert torch.isin(lin.result().codes.long(), levels).all() and set(moved.unique().tolist()) <= {0, 1}
+    assert (moved == 1).float().mean() > 0.3
 
 
 def _run(src, spec, tokens):
@@ -60,6 +85,26 @@ def test_tuning_lowers_each_blocks_error_and_repeats_under_a_seed(tmp_path, meth
     assert any(not torch.equal(tuned[n].codes, start[n].codes) for n in tuned)
 
 
+def test_fp4_tuning_lowers_each_blocks_error_and_repeats_under_a_seed(tmp_path) -> None:
+    """`--scheme nvfp4a16 --iters`: codes tuned along FP4's levels under the grid's own scales (group and
+    global scales unchanged), every block at least as close to the float block as round-to-nearest."""
+    method = RTNConfig(4, 16, True)
+    with open_model(make_tiny_hf(tmp_path / "src", "llama")) as src:
+        tokens = _tokens(src, n=8, t=32)
+        start, _ = _run(src, QuantizeSpec(method, grids=nvfp4_grid, batch_size=4), tokens)
+        spec = QuantizeSpec(method, grids=nvfp4_grid, batch_size=4, tune=TuneConfig(40, None, 4, seed=0))
+        tuned, details = _run(src, spec, tokens)
+        again, _ = _run(src, spec, tokens)
+    assert all(torch.equal(tuned[n].codes, again[n].codes) for n in tuned)
+    assert all(torch.equal(tuned[n].scales, start[n].scales) for n in tuned)
+    assert all(torch.equal(tuned[n].aux["group_scale"], start[n].aux["group_scale"]) for n in tuned)
+    assert all(d["tune_mse"] <= d["tune_start_mse"] for d in details)
+    assert any(d["tune_kept"] == 1 and d["tune_mse"] < 0.9 * d["tune_start_mse"] for d in details), details
+    assert any(not torch.equal(tuned[n].codes, start[n].codes) for n in tuned)
+    levels = torch.tensor(NVFP4.levels)
+    assert all(torch.isin(qt.codes.long(), levels).all() for qt in tuned.values())
+
+
 def test_a_tuned_checkpoint_reads_back_with_its_codes(tmp_path) -> None:
     spec = QuantizeSpec(GPTQConfig(4, 32, True), batch_size=4, tune=TuneConfig(10, None, 4, seed=0))
     with open_model(make_tiny_hf(tmp_path / "src", "llama")) as src:
@@ -80,7 +125,7 @@ def test_cli_records_the_tuning_and_refuses_what_it_cannot_tune(llmopt_here, tin
     assert json.loads((out / "config.json").read_text())["llmopt"]["tune"] == {"iters": 4, "lr": 0.25, "batch_size": 8, "seed": 3}
     assert all("tune_mse" in layer for layer in json.loads(r.stdout)["layers"])
     for args, expect in ((["--lr", "0.01"], "--lr is learned rounding's step size: it needs --iters > 0"),
-                         (["--iters", "5", "--scheme", "fp8-dynamic"], "--iters (learned rounding) tunes the integer grid"),
+                         (["--iters", "5", "--scheme", "fp8-dynamic"], "--iters (learned rounding) tunes the integer and FP4"),
                          (["--iters", "-1"], "--iters")):
         r = llmopt_here("quantize", tiny_models("llama"), "--group-size", "32", *args, "-o", tmp_path / "bad")
         assert_clean_failure(r, expect)

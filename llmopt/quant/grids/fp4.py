@@ -20,6 +20,7 @@ Codes in the QuantizedTensor are v[i] + 128 (`bits` 8, symmetric): (code - 128)Â
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ import torch
 from llmopt.model.packing import FP4_CODE_OFFSET as CODE_OFFSET
 from llmopt.model.packing import FP4_CODES as CODES
 from llmopt.model.packing import FP4_INDEX_OF_CODE as INDEX_OF_CODE
+from llmopt.model.packing import FP4_LEVELS
 from llmopt.model.packing import FP4_VALUES
 from llmopt.model.packing import e8m0_half_scale as half_scale  # ggml_e8m0_to_fp32_half
 from llmopt.quant.grids.layout import BlockGrid, BlockParams, to_rows
@@ -108,6 +110,7 @@ def ue4m3_half(u: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class NVFP4Grid(BlockGrid):
     name: str = "NVFP4"
+    levels: ClassVar[tuple[int, ...]] = FP4_LEVELS
     block: int = 64
     bits: int = 8  # codes are values + 128; 4 bits an index in the file
     index_bits: int = 4  # what an integer stand-in for this grid needs (AWQ's searches)
@@ -137,6 +140,7 @@ class NVFP4Grid(BlockGrid):
 @dataclass(frozen=True)
 class MXFP4Grid(BlockGrid):
     name: str = "MXFP4"
+    levels: ClassVar[tuple[int, ...]] = FP4_LEVELS
     block: int = QK
     bits: int = 8  # codes are values + 128; 4 bits an index in the file
     index_bits: int = 4  # what an integer stand-in for this grid needs (AWQ's searches)

@@ -17,11 +17,12 @@ gate/up as one fused linear with one global scale (the largest of the parts'), a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from llmopt.errors import InputError
-from llmopt.model.packing import FP4_CODE_OFFSET, NVFP4_GRID, NVFP4_GROUP, nvfp4_scales
+from llmopt.model.packing import FP4_CODE_OFFSET, FP4_LEVELS, NVFP4_GRID, NVFP4_GROUP, nvfp4_scales
 from llmopt.quant.grids.fp8 import FP8_MAX
 from llmopt.quantized_tensor import QuantizedTensor
 
@@ -61,6 +62,7 @@ def nearest_codes(a: torch.Tensor) -> torch.Tensor:
 class NVFP4TensorGroupGrid:
     name: str = NVFP4_GRID
     bits: int = 8  # codes are doubled values + 128; 4 bits an index in the file
+    levels: ClassVar[tuple[int, ...]] = FP4_LEVELS  # learned rounding moves codes along them
     block: int = NVFP4_GROUP
     group_size: int = NVFP4_GROUP
     sym: bool = True

@@ -345,7 +345,7 @@ def _tune(block: nn.Module, run: nn.Module, layer: int, source: ModelSource, spe
              if name.startswith(prefix) and tunable(spec.grid_for(name))}  # fmt: skip
     if not start:
         return
-    levels = {lin: getattr(spec.grid_for(prefix + lin), "levels", None) for lin in start}
+    levels = {lin: getattr(spec.grid_for(prefix + lin), "code_levels", None) for lin in start}
     cos, sin = Rotary(source.arch).to(device)(0, x_in.shape[1], torch.float32)
     tuned, details = tune_block(block, floats, start, block_forward(x_in, cos, sin), targets, spec.tune, layer, levels)
     reports = {r.name: r for r in result.reports}

@@ -21,8 +21,9 @@ below the method's: tuning never makes a block worse on them than the method it 
 Steps draw `batch_size` samples from a generator seeded with (`seed`, block index): the same seed,
 the same codes.
 
-A grid whose codes are a set of integers rather than all of them (FP4's 15 levels, `Grid.levels`) is
-tuned the same way along its levels: u is placed between its two neighbouring levels (position k + a
+A grid whose codes are a set of integers rather than all of them (FP4's 15 levels, IQ4's 16:
+`Grid.code_levels`) is tuned the same way along its levels: u is placed between its two neighbouring
+levels (position k + a
 fraction), the offsets move the position, the code is the level at the rounded position, and the
 gradient flows through the straight line between the two levels. On evenly spaced codes the
 position is the code, and the two are one.
@@ -70,7 +71,7 @@ class _Linear:
     offset: torch.Tensor  # d0: the method's codes relative to w / s + z, as positions on the levels
     v: torch.Tensor  # learned rounding offset, [-0.5, 0.5]
     gain: torch.Tensor  # learned scale gain per group
-    levels: Levels
+    positions: Positions  # where the codes lie, as positions the offsets move
 
     @classmethod
     def of(cls, weight: torch.Tensor, start: QuantizedTensor, levels: tuple[int, ...] | None = None) -> _Linear:
@@ -83,19 +84,19 @@ class _Linear:
             zero = torch.full_like(scale, float(1 << (start.bits - 1)))
         columns = start.group_index()
         s = scale[:, columns]
-        grid = Levels.of(levels, start.bits, weight.device)
-        u = grid.position(weight / torch.where(s != 0, s, 1.0) + zero[:, columns])  # where each weight sits between codes
+        positions = Positions.of(levels, start.bits, weight.device)
+        u = positions.position(weight / torch.where(s != 0, s, 1.0) + zero[:, columns])  # where each weight sits between codes
         # the method's code, each weight keeping its distance to the nearest rounding boundary (nudged off a tie)
-        offset = grid.position(start.codes.to(torch.float32)) - u + (u - torch.round(u)).clamp(-0.49, 0.49)
+        offset = positions.position(start.codes.to(torch.float32)) - u + (u - torch.round(u)).clamp(-0.49, 0.49)
         v = torch.zeros_like(weight, requires_grad=True)
         # a scale a checkpoint stores as a float16 may change; GGUF and FP4 types store theirs as codes
         gain = torch.zeros_like(scale, requires_grad=start.grid == "int")
-        return cls(weight, start, scale, zero, columns, offset, v, gain, grid)
+        return cls(weight, start, scale, zero, columns, offset, v, gain, positions)
 
     def codes(self, scale: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Codes (float, straight-through rounded) for per-column `scale` and offsets `v`."""
         u = self.weight / torch.where(scale != 0, scale, 1.0) + self.zero[:, self.columns]
-        return self.levels.code(self.levels.position(u) + self.offset + v)
+        return self.positions.code(self.positions.position(u) + self.offset + v)
 
     def dequantized(self) -> torch.Tensor:
         """ŵ with the current offsets and gains, differentiable in both."""
@@ -131,18 +132,18 @@ class _Linear:
 
 
 @dataclass(frozen=True)
-class Levels:
+class Positions:
     """The codes a weight may take, as positions 0..n−1: every integer of `bits` (`table` None: the position is
-    the code), or an ascending set of them (`Grid.levels`), between which a position is a straight line."""
+    the code), or an ascending set of them (`Grid.code_levels`), between which a position is a straight line."""
 
     top: int  # the last position
     table: torch.Tensor | None  # float32 [n] the codes, ascending; None: 0..top
 
     @staticmethod
-    def of(levels: tuple[int, ...] | None, bits: int, device: torch.device) -> Levels:
+    def of(levels: tuple[int, ...] | None, bits: int, device: torch.device) -> Positions:
         if levels is None:
-            return Levels((1 << bits) - 1, None)
-        return Levels(len(levels) - 1, torch.tensor(levels, dtype=torch.float32, device=device))
+            return Positions((1 << bits) - 1, None)
+        return Positions(len(levels) - 1, torch.tensor(levels, dtype=torch.float32, device=device))
 
     def position(self, u: torch.Tensor) -> torch.Tensor:
         """Where code-valued `u` lies on the levels, clamped to the ends (exact at a level)."""
@@ -167,8 +168,8 @@ class Levels:
 def tunable(grid: Grid) -> bool:
     """Whether learned rounding applies to a linear's grid: every weight s·q − m with codes evenly spaced
     (the integer grid of GPTQ/AWQ/compressed-tensors checkpoints, GGUF's legacy and K types) or on a set of
-    levels (FP4: MXFP4, NVFP4); not codebooks, lattices or FP8."""
-    return bool(getattr(grid, "uniform", False)) or getattr(grid, "levels", None) is not None
+    levels (FP4: MXFP4, NVFP4; IQ4_NL, IQ4_XS); not lattices or FP8."""
+    return bool(getattr(grid, "uniform", False)) or getattr(grid, "code_levels", None) is not None
 
 
 def tune_block(block: nn.Module, weights: dict[str, torch.Tensor], start: dict[str, QuantizedTensor],
@@ -179,7 +180,7 @@ def tune_block(block: nn.Module, weights: dict[str, torch.Tensor], start: dict[s
 
     `forward(block, weights, samples)` runs the block on calibration samples with the given linear
     weights; `targets` [n, t, hidden] is the float block's output; `levels` the codes of a linear whose
-    grid has a set of them (`Grid.levels`). Returns the tuned results (or the start, where tuning did
+    grid has a set of them (`Grid.code_levels`). Returns the tuned results (or the start, where tuning did
     not lower the error over every sample) and the block's losses."""
     levels = levels or {}
     linears = {name: _Linear.of(weights[name], start[name], levels.get(name)) for name in start}

@@ -15,6 +15,7 @@ from llmopt.model import open_model
 from llmopt.quant.gptq import GPTQConfig
 from llmopt.quant.grids import IntGrid
 from llmopt.quant.grids.fp4 import MXFP4, NVFP4Grid
+from llmopt.quant.grids.iq4 import IQ4Grid
 from llmopt.quant.grids.nvfp4 import NVFP4, nvfp4_grid
 from llmopt.quant.pipeline import QuantizeSpec, quantize_model
 from llmopt.quant.rtn import RTNConfig
@@ -40,17 +41,18 @@ def test_the_start_is_the_methods_answer(sym, group_size, g_idx) -> None:
     assert torch.equal(out.dequantize(torch.float32), qt.dequantize(torch.float32))
 
 
-@pytest.mark.parametrize("grid", [MXFP4, NVFP4Grid(), NVFP4], ids=lambda g: g.name)
-def test_an_fp4_start_is_the_methods_answer_and_moves_along_the_levels(grid) -> None:
-    """FP4: with no offset the result is the method's codes (some a level off nearest, as GPTQ's are), bit for
+@pytest.mark.parametrize("grid", [MXFP4, NVFP4Grid(), NVFP4, IQ4Grid("IQ4_NL", 32), IQ4Grid("IQ4_XS", 256)],
+                         ids=lambda g: g.name)  # fmt: skip
+def test_a_levelled_start_is_the_methods_answer_and_moves_along_the_levels(grid) -> None:
+    """FP4 and IQ4 (codes on a set of levels): with no offset the result is the method's codes (some a level off nearest, as GPTQ's are), bit for
     bit; offsets move codes only to levels of the grid, by one level per half-step of offset; gradients flow."""
     torch.manual_seed(0)
-    w = torch.randn(24, 128)
+    w = torch.randn(24, 256)
     qt = grid.quantize(w)
-    levels = torch.tensor(grid.levels)
+    levels = torch.tensor(grid.code_levels)
     rank = torch.searchsorted(levels, qt.codes.long())
     qt.codes = levels[(rank + torch.randint(-1, 2, rank.shape)).clamp(0, len(levels) - 1)].to(torch.uint8)
-    lin = _Linear.of(w, qt, grid.levels)
+    lin = _Linear.of(w, qt, grid.code_levels)
     assert torch.equal(lin.result().codes, qt.codes)
     assert torch.equal(lin.result().dequantize(torch.float32), qt.dequantize(torch.float32))
     (lin.dequantized() - w).pow(2).sum().backward()
@@ -101,7 +103,7 @@ def test_fp4_tuning_lowers_each_blocks_error_and_repeats_under_a_seed(tmp_path) 
     assert all(d["tune_mse"] <= d["tune_start_mse"] for d in details)
     assert any(d["tune_kept"] == 1 and d["tune_mse"] < 0.9 * d["tune_start_mse"] for d in details), details
     assert any(not torch.equal(tuned[n].codes, start[n].codes) for n in tuned)
-    levels = torch.tensor(NVFP4.levels)
+    levels = torch.tensor(NVFP4.code_levels)
     assert all(torch.isin(qt.codes.long(), levels).all() for qt in tuned.values())
 
 
@@ -132,10 +134,11 @@ def test_cli_records_the_tuning_and_refuses_what_it_cannot_tune(llmopt_here, tin
         assert not (tmp_path / "bad").exists()
 
 
-def test_gguf_k_types_are_tuned_and_llama_cpp_reads_the_file(llmopt_here, tmp_path) -> None:
-    """`convert --method gptq --iters`: the K-type linears of a Q2_K mix are tuned (codes only: their
-    scales are sub-scale codes), the gguf package reads the tuned tensors, and llama.cpp loads the
-    file and generates."""
+@pytest.mark.parametrize("mix,tuned_type,iters", [("Q2_K", "_K", "30"), ("IQ4_NL", "IQ4_NL", "100")])
+def test_gguf_types_are_tuned_and_llama_cpp_reads_the_file(llmopt_here, tmp_path, mix, tuned_type, iters) -> None:
+    """`convert --method gptq --iters`: the K-type linears of a Q2_K mix, and the IQ4_NL ones of an IQ4_NL mix
+    (codes on 16 levels), are tuned (codes only: their scales are sub-scale codes or fp16 from the search), the
+    gguf package reads the tuned tensors, and llama.cpp loads the file and generates."""
     import gguf
     from gguf.quants import dequantize
     from llama_cpp import Llama
@@ -146,18 +149,18 @@ def test_gguf_k_types_are_tuned_and_llama_cpp_reads_the_file(llmopt_here, tmp_pa
     src = make_wide_hf(tmp_path / "hf", "llama", layers=2)
     calib = tmp_path / "c.txt"
     calib.write_text(CORPUS)
-    base = ["--json", "convert", src, "--to", "gguf", "--type", "Q2_K", "--method", "gptq", "--calib", calib,
+    base = ["--json", "convert", src, "--to", "gguf", "--type", mix, "--method", "gptq", "--calib", calib,
             "--nsamples", "4", "--seqlen", "64", "--batch-size", "2"]
     plain, tuned = tmp_path / "gptq.gguf", tmp_path / "tuned.gguf"
     assert llmopt_here(*base, "-o", plain).returncode == 0
-    done = llmopt_here(*base, "--iters", "30", "-o", tuned)
+    done = llmopt_here(*base, "--iters", iters, "-o", tuned)
     assert done.returncode == 0, done.stderr
     layers = json.loads(done.stdout)["layers"]
     assert all(r["tune_mse"] <= r["tune_start_mse"] for r in layers)
     assert any(r["tune_mse"] < 0.97 * r["tune_start_mse"] for r in layers)
     a = {t.name: t for t in gguf.GGUFReader(str(plain)).tensors}
     b = {t.name: t for t in gguf.GGUFReader(str(tuned)).tensors}
-    changed = [n for n in a if n.startswith("blk.") and a[n].tensor_type.name.endswith("_K")
+    changed = [n for n in a if n.startswith("blk.") and a[n].tensor_type.name.endswith(tuned_type)
                and not np.array_equal(a[n].data, b[n].data)]
     assert changed and all(a[n].tensor_type == b[n].tensor_type for n in a)
     with open_model(tuned) as ours:  # the gguf package reads the tuned tensors as llmopt does (q/k aside: permuted)

@@ -110,7 +110,7 @@ def ue4m3_half(u: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class NVFP4Grid(BlockGrid):
     name: str = "NVFP4"
-    levels: ClassVar[tuple[int, ...]] = FP4_LEVELS
+    code_levels: ClassVar[tuple[int, ...]] = FP4_LEVELS
     block: int = 64
     bits: int = 8  # codes are values + 128; 4 bits an index in the file
     index_bits: int = 4  # what an integer stand-in for this grid needs (AWQ's searches)
@@ -140,7 +140,7 @@ class NVFP4Grid(BlockGrid):
 @dataclass(frozen=True)
 class MXFP4Grid(BlockGrid):
     name: str = "MXFP4"
-    levels: ClassVar[tuple[int, ...]] = FP4_LEVELS
+    code_levels: ClassVar[tuple[int, ...]] = FP4_LEVELS
     block: int = QK
     bits: int = 8  # codes are values + 128; 4 bits an index in the file
     index_bits: int = 4  # what an integer stand-in for this grid needs (AWQ's searches)

@@ -62,7 +62,7 @@ def nearest_codes(a: torch.Tensor) -> torch.Tensor:
 class NVFP4TensorGroupGrid:
     name: str = NVFP4_GRID
     bits: int = 8  # codes are doubled values + 128; 4 bits an index in the file
-    levels: ClassVar[tuple[int, ...]] = FP4_LEVELS  # learned rounding moves codes along them
+    code_levels: ClassVar[tuple[int, ...]] = FP4_LEVELS  # learned rounding moves codes along them
     block: int = NVFP4_GROUP
     group_size: int = NVFP4_GROUP
     sym: bool = True

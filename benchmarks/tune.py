@@ -8,6 +8,7 @@ spread are what the issue's "a margin larger than the seed-to-seed spread" is re
 
 Usage (the off-grid reference model, see ../shared/tools/README.md):
   python benchmarks/tune.py --offgrid --bits 2:64:asym 3:128:sym --seeds 0 1 2 --iters 40
+  python benchmarks/tune.py --offgrid --bits --schemes nvfp4a16 mxfp4a16 --seeds 0 --iters 20   # FP4's levels
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from benchmarks.quality import kl_scores, run_llmopt, source_model  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bits", nargs="+", default=["2:64:asym", "3:128:sym"], help="BITS:GROUP:sym|asym")
+    ap.add_argument("--bits", nargs="*", default=["2:64:asym", "3:128:sym"], help="BITS:GROUP:sym|asym")
+    ap.add_argument("--schemes", nargs="*", default=[], help="compressed-tensors schemes (nvfp4a16, mxfp4a16): "
+                    "the method onto FP4's grid, tuned along its levels")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--method", default="gptq")
     ap.add_argument("--iters", type=int, default=40)
@@ -41,18 +44,19 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     src = str(source_model(work, args.offgrid))
     rows, outputs = [], []
-    for spec in args.bits:
-        bits, group, grid = spec.split(":")
+    grids = {f"w{b} g{g} {grid}": ["--bits", b, "--group-size", g, f"--{grid}", "--format", "dense"]
+             for b, g, grid in (spec.split(":") for spec in args.bits)}
+    grids.update({scheme: ["--scheme", scheme] for scheme in args.schemes})
+    for name, grid_options in grids.items():
         for seed in args.seeds:
             for iters in (0, args.iters):
-                config = f"{args.method} w{bits} g{group} {grid}" + (f" +tune {iters}" if iters else "")
-                out = work / f"{args.method}-w{bits}-g{group}-{grid}-s{seed}-i{iters}"
-                options = ["--method", args.method, "--bits", bits, "--group-size", group, f"--{grid}", "--format", "dense",
-                           "--batch-size", str(args.batch_size), "--iters", str(iters)]
+                config = f"{args.method} {name}" + (f" +tune {iters}" if iters else "")
+                out = work / f"{args.method}-{name.replace(' ', '-')}-s{seed}-i{iters}"
+                options = ["--method", args.method, *grid_options, "--batch-size", str(args.batch_size), "--iters", str(iters)]
                 if iters and args.lr is not None:
                     options += ["--lr", str(args.lr)]
                 run = run_llmopt(src, str(out), options, args.nsamples, args.seqlen, seed)
-                rows.append({"config": config, "bits": int(bits), "seed": seed, "seconds": run["seconds"],
+                rows.append({"config": config, "grid": name, "seed": seed, "seconds": run["seconds"],
                              "peak_rss_mib": run["peak_rss_mib"]})  # fmt: skip
                 outputs.append(str(out))
                 print(f"{config} seed {seed}: {run['seconds']} s", file=sys.stderr, flush=True)

@@ -156,9 +156,9 @@ class Positions:
     def code(self, x: torch.Tensor) -> torch.Tensor:
         """The code at rounded position `x` (float), its gradient that of the line through the two levels
         around x (straight-through)."""
+        if self.table is None:  # (clamped after rounding: a gradient up to half a step past either end)
+            return torch.clamp(x + (torch.round(x) - x).detach(), 0, self.top)
         x = x.clamp(0, self.top)
-        if self.table is None:
-            return x + (torch.round(x) - x).detach()
         k = torch.floor(x.detach()).clamp(max=self.top - 1).long()
         lo, hi = self.table[k], self.table[k + 1]
         line = lo + (x - k) * (hi - lo)

@@ -341,11 +341,11 @@ def _tune(block: nn.Module, run: nn.Module, layer: int, source: ModelSource, spe
     forward copy."""
     prefix = f"model.layers.{layer}."
     device = x_in.device
-    start = {name.removeprefix(prefix): qt.to(device) for name, qt in result.tensors.items()
-             if name.startswith(prefix) and tunable(spec.grid_for(name))}  # fmt: skip
+    grids = {name.removeprefix(prefix): spec.grid_for(name) for name in result.tensors if name.startswith(prefix)}
+    start = {lin: result.tensors[prefix + lin].to(device) for lin, grid in grids.items() if tunable(grid)}
     if not start:
         return
-    levels = {lin: getattr(spec.grid_for(prefix + lin), "code_levels", None) for lin in start}
+    levels = {lin: getattr(grids[lin], "code_levels", None) for lin in start}
     cos, sin = Rotary(source.arch).to(device)(0, x_in.shape[1], torch.float32)
     tuned, details = tune_block(block, floats, start, block_forward(x_in, cos, sin), targets, spec.tune, layer, levels)
     reports = {r.name: r for r in result.reports}

@@ -21,12 +21,11 @@ below the method's: tuning never makes a block worse on them than the method it 
 Steps draw `batch_size` samples from a generator seeded with (`seed`, block index): the same seed,
 the same codes.
 
-A grid whose codes are a set of integers rather than all of them (FP4's 15 levels, IQ4's 16:
+A grid whose codes are a set of integers rather than all of them (FP4's 15 levels,
 `Grid.code_levels`) is tuned the same way along its levels: u is placed between its two neighbouring
-levels (position k + a
-fraction), the offsets move the position, the code is the level at the rounded position, and the
-gradient flows through the straight line between the two levels. On evenly spaced codes the
-position is the code, and the two are one.
+levels (position k + a fraction), the offsets move the position, the code is the level at the rounded
+position, and the gradient flows through the straight line between the two levels. On evenly spaced
+codes the position is the code, and the two are one.
 """
 
 from __future__ import annotations
@@ -168,7 +167,7 @@ class Positions:
 def tunable(grid: Grid) -> bool:
     """Whether learned rounding applies to a linear's grid: every weight s·q − m with codes evenly spaced
     (the integer grid of GPTQ/AWQ/compressed-tensors checkpoints, GGUF's legacy and K types) or on a set of
-    levels (FP4: MXFP4, NVFP4; IQ4_NL, IQ4_XS); not lattices or FP8."""
+    levels (FP4: MXFP4, NVFP4); not codebooks (IQ4: llama.cpp could not run a tuned IQ4_NL file), lattices or FP8."""
     return bool(getattr(grid, "uniform", False)) or getattr(grid, "code_levels", None) is not None
 
 

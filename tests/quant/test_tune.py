@@ -15,7 +15,6 @@ from llmopt.model import open_model
 from llmopt.quant.gptq import GPTQConfig
 from llmopt.quant.grids import IntGrid
 from llmopt.quant.grids.fp4 import MXFP4, NVFP4Grid
-from llmopt.quant.grids.iq4 import IQ4Grid
 from llmopt.quant.grids.nvfp4 import NVFP4, nvfp4_grid
 from llmopt.quant.pipeline import QuantizeSpec, quantize_model
 from llmopt.quant.rtn import RTNConfig
@@ -41,10 +40,9 @@ def test_the_start_is_the_methods_answer(sym, group_size, g_idx) -> None:
     assert torch.equal(out.dequantize(torch.float32), qt.dequantize(torch.float32))
 
 
-@pytest.mark.parametrize("grid", [MXFP4, NVFP4Grid(), NVFP4, IQ4Grid("IQ4_NL", 32), IQ4Grid("IQ4_XS", 256)],
-                         ids=lambda g: g.name)  # fmt: skip
+@pytest.mark.parametrize("grid", [MXFP4, NVFP4Grid(), NVFP4], ids=lambda g: g.name)
 def test_a_levelled_start_is_the_methods_answer_and_moves_along_the_levels(grid) -> None:
-    """FP4 and IQ4 (codes on a set of levels): with no offset the result is the method's codes (some a level off nearest, as GPTQ's are), bit for
+    """FP4 (codes on a set of levels): with no offset the result is the method's codes (some a level off nearest, as GPTQ's are), bit for
     bit; offsets move codes only to levels of the grid, by one level per half-step of offset; gradients flow."""
     torch.manual_seed(0)
     w = torch.randn(24, 256)
@@ -134,10 +132,9 @@ def test_cli_records_the_tuning_and_refuses_what_it_cannot_tune(llmopt_here, tin
         assert not (tmp_path / "bad").exists()
 
 
-@pytest.mark.parametrize("mix,tuned_type,iters", [("Q2_K", "_K", "30"), ("IQ4_NL", "IQ4_NL", "100")])
+@pytest.mark.parametrize("mix,tuned_type,iters", [("Q2_K", "_K", "30")])
 def test_gguf_types_are_tuned_and_llama_cpp_reads_the_file(llmopt_here, tmp_path, mix, tuned_type, iters) -> None:
-    """`convert --method gptq --iters`: the K-type linears of a Q2_K mix, and the IQ4_NL ones of an IQ4_NL mix
-    (codes on 16 levels), are tuned (codes only: their scales are sub-scale codes or fp16 from the search), the
+    """`convert --method gptq --iters`: the K-type linears of a Q2_K mix are tuned (codes only: their scales are sub-scale codes or fp16 from the search), the
     gguf package reads the tuned tensors, and llama.cpp loads the file and generates."""
     import gguf
     from gguf.quants import dequantize

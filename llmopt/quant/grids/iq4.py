@@ -91,11 +91,6 @@ class IQ4Grid(BlockGrid):
     index_bits: int = 4  # what an integer stand-in for this grid needs (AWQ's searches)
     levels: Levels = IQ4_LEVELS
 
-    @property
-    def code_levels(self) -> tuple[int, ...]:
-        """The codes a weight may take, ascending (learned rounding moves codes along them, quant/tune.py)."""
-        return tuple(self.levels.codes.tolist())
-
     def chunk(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         rows = w.shape[0]
         scales = self._sub_block_scales(w, importance)

@@ -135,7 +135,7 @@ class BlockGrid:
     # every weight is s·q − m for its code q (QuantizedTensor.dequantize is exact): codes are evenly
     # spaced, so learned rounding (quant/tune.py) can move one by a step; False for codebooks and lattices
     uniform: ClassVar[bool] = False
-    # codes that are not every integer but a set of them, ascending (FP4's 15, IQ4's 16), each weight still s·q − m:
+    # codes that are not every integer but a set of them, ascending (FP4's 15), each weight still s·q − m:
     # learned rounding moves a code to a neighbouring level
     code_levels: ClassVar[tuple[int, ...] | None] = None
     block: int  # elements per (super-)block: rows must be a multiple

@@ -198,8 +198,12 @@ class RoundingOptions(Options):
                         "signed-gradient steps against the float block's output (SignRound); 0 = off. Linears on "
                         "evenly spaced grids (integer, GGUF legacy and K types) and FP4's levels (--scheme nvfp4a16, nvfp4, "
                         "mxfp4a16); not FP8.", ge=0, le=100_000, hint="choose 0 (off) or a number of steps")  # fmt: skip
-    lr: float | None = option(None, "Learned rounding's step size (default 1/--iters), falling linearly to 0.", gt=0, le=1,
-                              hint="choose a step size in (0, 1]", show_default=False)  # fmt: skip
+    lr: float | None = option(None, "Learned rounding's step size for the rounding offsets (default 1/--iters, at most "
+                              "0.01), falling linearly to 0.", gt=0, le=1, hint="choose a step size in (0, 1]",
+                              show_default=False)  # fmt: skip
+    scale_lr: float | None = option(None, "Learned rounding's step size for the group scales' gains (default --lr / 5; "
+                                    "AutoRound's minmax_lr).", ge=0, le=1, hint="choose a step size in [0, 1] (0: scales "
+                                    "stay the method's)", show_default=False)  # fmt: skip
 
 
 @_options

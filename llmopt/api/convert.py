@@ -83,8 +83,8 @@ def prepare_gguf(options: GgufOptions, device: torch.device, output: str | Path 
     overrides = parse_overrides(options.tensor_types)
     target = _Target.of(options, output)
     spec = calibration = None
-    if options.method is None and (options.iters or options.lr is not None):
-        raise OptionError("<iters> and <lr> (learned rounding) tune what a calibrated <method> rounded: give <method>")
+    if options.method is None and (options.iters or options.lr is not None or options.scale_lr is not None):
+        raise OptionError("<iters>, <lr> and <scale_lr> (learned rounding) tune what a calibrated <method> rounded: give <method>")
     if options.method is not None:
         rounding = QuantizeOptions.of(**{d.name: getattr(options, d.name) for d in RoundingOptions.declared()},
                                       seed=options.seed)  # (learned rounding draws its steps with the calibration's seed)

@@ -189,7 +189,7 @@ def provenance(spec: QuantizeSpec, calib_info: dict[str, Any] | None) -> dict[st
         out[built.name] = {**built.provenance(), "calib_dtype": str(spec.act_dtype).removeprefix("torch.")}
     if spec.tune is not None:
         t = spec.tune
-        out["tune"] = {"iters": t.iters, "lr": t.rate, "batch_size": t.batch_size, "seed": t.seed}
+        out["tune"] = {"iters": t.iters, "lr": t.rate, "scale_lr": t.scale_rate, "batch_size": t.batch_size, "seed": t.seed}
     return out
 
 

@@ -60,9 +60,10 @@ def build_spec(o: QuantizeOptions, method: str, sym: bool, *, act_dtype: torch.d
         if o.scheme is not None and not tunable(SCHEME_GRIDS[o.scheme][0]("")):
             raise OptionError(f"<iters> (learned rounding) tunes the integer and FP4 grids; <scheme> {o.scheme}'s FP8 "
                               "grid is not")  # fmt: skip
-        common["tune"] = TuneConfig(o.iters, o.lr, o.batch_size, o.seed)
-    elif o.lr is not None:
-        raise OptionError("<lr> is learned rounding's step size: it needs <iters> > 0")
+        common["tune"] = TuneConfig(o.iters, o.lr, o.batch_size, o.seed, o.scale_lr)
+    elif o.lr is not None or o.scale_lr is not None:
+        step = "<lr>" if o.lr is not None else "<scale_lr>"
+        raise OptionError(f"{step} is learned rounding's step size: it needs <iters> > 0")
     if o.scheme is not None:
         return _scheme_spec(o, method, common)
     if not gptq_rounding:

@@ -122,9 +122,11 @@ def test_cli_records_the_tuning_and_refuses_what_it_cannot_tune(llmopt_here, tin
     r = llmopt_here("--json", "quantize", tiny_models("llama"), "--method", "rtn", "--bits", "3", "--group-size", "32",
                     "--iters", "4", "--nsamples", "2", "--seqlen", "16", "--seed", "3", "-o", out)
     assert r.returncode == 0, r.stderr
-    assert json.loads((out / "config.json").read_text())["llmopt"]["tune"] == {"iters": 4, "lr": 0.25, "batch_size": 8, "seed": 3}
+    assert json.loads((out / "config.json").read_text())["llmopt"]["tune"] == {"iters": 4, "lr": 0.01, "scale_lr": 0.002, "batch_size": 8,
+                                                                                "seed": 3}
     assert all("tune_mse" in layer for layer in json.loads(r.stdout)["layers"])
     for args, expect in ((["--lr", "0.01"], "--lr is learned rounding's step size: it needs --iters > 0"),
+                         (["--scale-lr", "0"], "--scale-lr is learned rounding's step size: it needs --iters > 0"),
                          (["--iters", "5", "--scheme", "fp8-dynamic"], "--iters (learned rounding) tunes the integer and FP4"),
                          (["--iters", "-1"], "--iters")):
         r = llmopt_here("quantize", tiny_models("llama"), "--group-size", "32", *args, "-o", tmp_path / "bad")

@@ -85,6 +85,26 @@ def test_tuning_lowers_each_blocks_error_and_repeats_under_a_seed(tmp_path, meth
     assert any(not torch.equal(tuned[n].codes, start[n].codes) for n in tuned)
 
 
+def test_step_sizes_default_to_autorounds_rule_capped_and_a_fifth_for_the_scales() -> None:
+    assert (TuneConfig(200).rate, TuneConfig(20).rate, TuneConfig(20, 0.05).rate) == (0.005, 0.01, 0.05)
+    assert (TuneConfig(200).scale_rate, TuneConfig(20, 0.05).scale_rate, TuneConfig(20, scale_lr=0.0).scale_rate) == (
+        0.001, 0.01, 0.0)
+
+
+def test_a_zero_scale_step_keeps_the_methods_scales_and_still_tunes_the_codes(tmp_path) -> None:
+    method = GPTQConfig(2, 16, True)
+    with open_model(make_tiny_hf(tmp_path / "src", "llama")) as src:
+        tokens = _tokens(src, n=8, t=32)
+        start, _ = _run(src, QuantizeSpec(method, batch_size=4), tokens)
+        fixed, details = _run(src, QuantizeSpec(method, batch_size=4, tune=TuneConfig(40, None, 4, scale_lr=0.0)), tokens)
+        moved, _ = _run(src, QuantizeSpec(method, batch_size=4, tune=TuneConfig(40, None, 4)), tokens)
+    # the first block sees the same inputs in every run (GPTQ's scales in later ones follow their inputs)
+    first = [n for n, d in zip(fixed, details) if n.startswith("model.layers.0.") and d["tune_kept"] == 1]
+    assert first and all(torch.equal(fixed[n].scales, start[n].scales) for n in first)
+    assert any(not torch.equal(fixed[n].codes, start[n].codes) for n in first)
+    assert any(not torch.equal(moved[n].scales, start[n].scales) for n in first)  # the default step moves them
+
+
 def test_fp4_tuning_lowers_each_blocks_error_and_repeats_under_a_seed(tmp_path) -> None:
     """`--scheme nvfp4a16 --iters`: codes tuned along FP4's levels under the grid's own scales (group and
     global scales unchanged), every block at least as close to the float block as round-to-nearest."""

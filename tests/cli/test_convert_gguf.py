@@ -141,7 +141,9 @@ def test_method_applies_to_gguf_only(llmopt_here, wide_hf: Path, tmp_path: Path)
     assert not (tmp_path / "hf").exists()
 
 
-def test_learned_rounding_needs_a_method(llmopt_here, wide_hf: Path, tmp_path: Path) -> None:  # noqa: F811
-    res = llmopt_here("convert", wide_hf, "--to", "gguf", "--type", "Q4_K_M", "-o", tmp_path / "q.gguf", "--iters", "5")
-    assert res.returncode == 2 and "--iters and --lr (learned rounding) tune what a calibrated --method" in res.stderr, res.stderr
+@pytest.mark.parametrize("tuning", [["--iters", "5"], ["--scale-lr", "0.01"]])
+def test_learned_rounding_needs_a_method(llmopt_here, wide_hf: Path, tmp_path: Path, tuning) -> None:  # noqa: F811
+    res = llmopt_here("convert", wide_hf, "--to", "gguf", "--type", "Q4_K_M", "-o", tmp_path / "q.gguf", *tuning)
+    expect = "--iters, --lr and --scale-lr (learned rounding) tune what a calibrated --method"
+    assert res.returncode == 2 and expect in res.stderr, res.stderr
     assert not (tmp_path / "q.gguf").exists()

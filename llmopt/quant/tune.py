@@ -52,7 +52,7 @@ SCALE_LR_DIVISOR = 5
 
 @dataclass(frozen=True)
 class TuneConfig:
-    """Learned rounding's options (QuantizeOptions.iters, lr, batch_size, seed)."""
+    """Learned rounding's options (QuantizeOptions.iters, lr, batch_size, seed, scale_lr)."""
 
     iters: int = 200
     lr: float | None = None  # None: 1 / iters (AutoRound's default) up to MAX_DEFAULT_LR

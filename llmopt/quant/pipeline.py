@@ -7,7 +7,9 @@ true-sequential order); the method turns those statistics into quantized weights
 the block's weights before the forward goes on. The block's outputs, computed with all its
 quantized weights, become the next block's inputs. With GPTAQ (`full_precision_inputs`) the
 unquantized block also runs over the full-precision activations first, and each stage's
-statistics get both inputs.
+statistics get both inputs. Learned rounding keeps the full-precision activations too: its targets
+are the float model's block outputs, so each block also makes up for the error the quantized blocks
+before it left in its inputs (AutoRound's default).
 A method without data (RTN) rounds each block's linears as they stream by.
 
 The residual stream and every statistic stay float32. The linears of the calibration forward
@@ -104,8 +106,8 @@ class BlockResult:
 @dataclass
 class Progress:
     """Where a calibrated run stands between blocks: the next block (`num_layers` is the head) and its
-    inputs, `x` (and GPTAQ's `x_fp`). With the finished blocks' results it is all a killed run needs
-    to go on with the same bytes (quant/resume.py)."""
+    inputs, `x` (and the unquantized model's, `x_fp`, for GPTAQ and learned rounding). With the finished
+    blocks' results it is all a killed run needs to go on with the same bytes (quant/resume.py)."""
 
     layer: int
     x: torch.Tensor
@@ -213,7 +215,8 @@ def _calibrated(source: ModelSource, spec: QuantizeSpec, method: Method, tokens:
                           f"models ({arch.family.name}); GPTQ without fp_target, AWQ and RTN are")  # fmt: skip
     if start is None:
         x = embed(source, tokens, torch.float32, device)  # [n, t, hidden]: the current block's inputs
-        x_fp = x.clone() if method.full_precision_inputs else None  # the same, through the unquantized model
+        # the same through the unquantized model, for GPTAQ's statistics and learned rounding's targets
+        x_fp = x.clone() if method.full_precision_inputs or spec.tune is not None else None
         start = Progress(0, x, x_fp)
     x, x_fp = start.x.to(device), None if start.x_fp is None else start.x_fp.to(device)
     n, t = tokens.shape
@@ -230,7 +233,7 @@ def _calibrated(source: ModelSource, spec: QuantizeSpec, method: Method, tokens:
         norm.weight.data = source.load("model.norm.weight", dtype=torch.float32).to(device)
         stats = method.collector(arch.hidden_size, device)
         for s in chunks if stats is not None else ():  # (round to nearest reached here only to tune the blocks)
-            stats.add(norm(x[s]), None if x_fp is None else norm(x_fp[s]))
+            stats.add(norm(x[s]), norm(x_fp[s]) if method.full_precision_inputs else None)
         result = _head(source, spec, method, device, stats)
         on_progress(result, Progress(arch.num_layers + 1, x, x_fp))
         yield result
@@ -244,7 +247,8 @@ def _calibrated_block(source: ModelSource, spec: QuantizeSpec, method: Method, l
     start = time.perf_counter()
     fallback = getattr(method, "fallback", None)
     keep = spec.tune is not None or fallback is not None
-    # what tuning fits to and the fallback is judged by: the float block's outputs on this block's inputs
+    # what tuning fits to and the fallback is judged by: the float block's outputs, on the unquantized
+    # model's inputs where those are kept (x_fp), else on this block's
     x_in, targets = (x.clone(), torch.empty_like(x)) if keep else (x, None)
     x_fp_in = x_fp.clone() if fallback is not None and x_fp is not None else None
     block, run, floats, result = _method_block(source, spec, method, layer, x, x_fp, chunks, cos, sin, targets)
@@ -279,8 +283,9 @@ def _method_block(source: ModelSource, spec: QuantizeSpec, method: Method, layer
                   x_fp: torch.Tensor | None, chunks: list[slice], cos: torch.Tensor, sin: torch.Tensor,
                   targets: torch.Tensor | None) -> tuple[nn.Module, nn.Module, dict[str, torch.Tensor], BlockResult]:  # fmt: skip
     """The method's pass over block `layer` stage by stage; `x` (and `x_fp`) advance in place to its
-    outputs, `targets` (when given) is filled with the float block's. Returns the block, its forward
-    copy, the float weights the method rounded (after any transform; kept for tuning) and the result."""
+    outputs, `targets` (when given) is filled with the float block's (on `x_fp` when given). Returns the
+    block, its forward copy, the float weights the method rounded (after any transform; kept for tuning)
+    and the result."""
     stages = source.arch.family.stages
     device = x.device
     block = load_block(source, layer, torch.float32, device)  # the weights the method quantizes
@@ -293,11 +298,14 @@ def _method_block(source: ModelSource, spec: QuantizeSpec, method: Method, layer
     experts = source.arch.family.experts
     if targets is not None:
         for i in range(len(chunks)):
-            targets[chunks[i]] = forward(i)
+            targets[chunks[i]] = forward(i) if x_fp is None else run(x_fp[chunks[i]], cos, sin)
+    if x_fp is not None and not method.full_precision_inputs:  # only the unquantized model's outputs
+        for i in range(len(chunks)):
+            x_fp[chunks[i]] = targets[chunks[i]] if targets is not None else run(x_fp[chunks[i]], cos, sin)
     if hasattr(method, "block_collector"):  # a method that changes the block first (AWQ)
         _transform(block, run, layer, source, spec, method, forward, len(chunks), result)
     floats = {lin: block.get_submodule(lin).weight.data.clone() for s in stages for lin in s.linears} if spec.tune else {}
-    fp_inputs = _stage_inputs(run, stages, x_fp, chunks, cos, sin) if x_fp is not None else None
+    fp_inputs = _stage_inputs(run, stages, x_fp, chunks, cos, sin) if method.full_precision_inputs else None
 
     if not method.stage_statistics:  # rounding needs no statistics of the stages' inputs: no staged pass
         for stage in stages:

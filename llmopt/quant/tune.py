@@ -1,10 +1,12 @@
-"""Learned rounding: each block's codes and group scales tuned against the float block's output.
+"""Learned rounding: each block's codes and group scales tuned against the float model's block output.
 
 A method (RTN, GPTQ, AWQ, AWQ+GPTQ) rounds each linear on its own, against its own layer's error.
 Tuning then looks at the whole block: for every linear on an evenly spaced grid (`tunable`) it
 learns an offset per weight (`v`, within half a code) and, where the format stores scales as
 floats (the integer grid), a gain per group scale, and keeps those that make the block's output
-closest to the float block's (mean squared error over the calibration tokens). The steps
+closest to the float model's (mean squared error over the calibration tokens; the pipeline runs the
+block on the quantized model's inputs and takes the targets from the float model's, so each block also
+makes up for the error of the blocks before it). The steps
 are signed gradient steps with a learning rate that falls linearly to zero (SignRound, Cheng et
 al. 2023), the gains' a fifth of the offsets' (a gain moves every code of its group at once),
 through a straight-through rounding:
@@ -189,7 +191,7 @@ def tune_block(block: nn.Module, weights: dict[str, torch.Tensor], start: dict[s
     """Tune the linears of one block (block-relative name -> float weight, and the method's result).
 
     `forward(block, weights, samples)` runs the block on calibration samples with the given linear
-    weights; `targets` [n, t, hidden] is the float block's output; `levels` the codes of a linear whose
+    weights; `targets` [n, t, hidden] the float model's outputs of the block; `levels` the codes of a linear whose
     grid has a set of them (`Grid.code_levels`). Returns the tuned results (or the start, where tuning did
     not lower the error over every sample) and the block's losses."""
     levels = levels or {}

@@ -85,6 +85,37 @@ def test_tuning_lowers_each_blocks_error_and_repeats_under_a_seed(tmp_path, meth
     assert any(not torch.equal(tuned[n].codes, start[n].codes) for n in tuned)
 
 
+def test_targets_are_the_float_models_block_outputs_and_inputs_the_quantized_models(tmp_path, monkeypatch) -> None:
+    """Each block is fitted to the float model's outputs (transformers' hidden states), from the inputs the
+    quantized blocks before it give: it also makes up for their error (AutoRound's default)."""
+    import transformers
+
+    from llmopt.quant import pipeline
+
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    real = pipeline.tune_block
+
+    def spy(block, weights, start, forward, targets, config, layer, levels=None):
+        floats = {f"{name}.weight": w for name, w in weights.items()}
+        seen.append((forward(block, floats, slice(None)).detach().clone(), targets.clone()))
+        return real(block, weights, start, forward, targets, config, layer, levels)
+
+    monkeypatch.setattr(pipeline, "tune_block", spy)
+    source_dir = make_tiny_hf(tmp_path / "src", "llama", layers=3)
+    with open_model(source_dir) as src:
+        tokens = _tokens(src, n=4, t=24)
+        _run(src, QuantizeSpec(RTNConfig(2, 16, False), batch_size=2, tune=TuneConfig(2, None, 2)), tokens)
+    model = transformers.AutoModelForCausalLM.from_pretrained(source_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        hidden = model(tokens, output_hidden_states=True).hidden_states  # [k]: block k's input; the last is normed
+    assert len(seen) == 3
+    for layer in (0, 1):
+        torch.testing.assert_close(seen[layer][1], hidden[layer + 1], rtol=1e-4, atol=1e-4)
+    # the float block on block 0's inputs gives its targets; from block 1 on the inputs are the quantized model's
+    assert torch.allclose(seen[0][0], seen[0][1], atol=1e-5)
+    assert not torch.allclose(seen[1][0], seen[1][1], atol=1e-2)
+
+
 def test_step_sizes_default_to_autorounds_rule_capped_and_a_fifth_for_the_scales() -> None:
     assert (TuneConfig(200).rate, TuneConfig(20).rate, TuneConfig(20, 0.05).rate) == (0.005, 0.01, 0.05)
     assert (TuneConfig(200).scale_rate, TuneConfig(20, 0.05).scale_rate, TuneConfig(20, scale_lr=0.0).scale_rate) == (

@@ -239,7 +239,8 @@ def _quantize(b: BlockShape, work: Workload) -> Footprint:
         steps = {"LM head": b.vocab * b.hidden * (3 * F32 + 1)} if work.quantize_head else {}
         return Footprint(work, parts, steps)
     copy = b.params * work.act_bytes if work.act_bytes != F32 else 0
-    calib = work.tokens * b.hidden * F32 * (2 if work.gptaq else 1)
+    # the residual stream `x`, and the unquantized model's beside it for GPTAQ and for learned rounding's targets
+    calib = work.tokens * b.hidden * F32 * (2 if work.gptaq or work.tune_iters else 1)
     if work.gptaq:
         calib += work.tokens * sum(s.width for s in b.stages) * work.act_bytes
     held = _held(b, work)

@@ -116,6 +116,41 @@ def test_targets_are_the_float_models_block_outputs_and_inputs_the_quantized_mod
     assert not torch.allclose(seen[1][0], seen[1][1], atol=1e-2)
 
 
+def test_the_compiled_rounding_is_the_eager_one_and_a_failed_compile_falls_back(tmp_path, monkeypatch, caplog) -> None:
+    from llmopt.quant import tune
+
+    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(0))
+    lin = _Linear.of(w, IntGrid(bits=3, sym=False, group_size=32).quantize(w))
+    with torch.no_grad():
+        lin.v.uniform_(-0.5, 0.5)
+        lin.gain.uniform_(-0.1, 0.1)
+    results = []
+    for rounding in (tune.fake_quantized, tune.compiled_fake_quantized()):
+        out = lin.dequantized(rounding)
+        out.pow(2).sum().backward()
+        results.append((out.detach(), lin.v.grad.clone(), lin.gain.grad.clone()))
+        lin.v.grad = lin.gain.grad = None
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+    # a compile that fails (no compiler on the machine): the block is tuned uncompiled, with the same codes
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(tune, "COMPILE_MIN_WORK", 0)
+    monkeypatch.setattr(tune, "compiled_fake_quantized", lambda: broken)
+    monkeypatch.setattr(tune, "_compile_failed", [])
+    method = GPTQConfig(2, 16, True)
+    with open_model(make_tiny_hf(tmp_path / "src", "llama")) as src:
+        tokens = _tokens(src, n=8, t=32)
+        spec = QuantizeSpec(method, batch_size=4, tune=TuneConfig(10, None, 4))
+        fallen, _ = _run(src, spec, tokens)
+        assert tune._compile_failed == ["no C++ compiler"] and "runs uncompiled" in caplog.text
+        monkeypatch.setattr(tune, "COMPILE_MIN_WORK", float("inf"))
+        eager, _ = _run(src, spec, tokens)
+    assert all(torch.equal(fallen[n].codes, eager[n].codes) for n in eager)
+
+
 def test_step_sizes_default_to_autorounds_rule_capped_and_a_fifth_for_the_scales() -> None:
     assert (TuneConfig(200).rate, TuneConfig(20).rate, TuneConfig(20, 0.05).rate) == (0.005, 0.01, 0.05)
     assert (TuneConfig(200).scale_rate, TuneConfig(20, 0.05).scale_rate, TuneConfig(20, scale_lr=0.0).scale_rate) == (

@@ -15,7 +15,7 @@ AutoRound runs with each of `--autoround-iters` (0: its optimized round-to-neare
 signed-gradient tuning), llmopt with each of `--llmopt-iters` (0: the method alone; N: learned rounding).
 
 AutoRound needs its own venv beside this project's torch (it pins other transformers versions):
-  python -m venv /tmp/arvenv && /tmp/arvenv/bin/pip install torch==2.13.0 auto-round
+  python -m venv /tmp/arvenv && /tmp/arvenv/bin/pip install torch==2.13.0 auto-round gguf
 Usage:
   python benchmarks/autoround.py --autoround-python /tmp/arvenv/bin/python --offgrid --configs w4g128 q4_k_m \\
       --autoround-iters 0 --llmopt-iters 0

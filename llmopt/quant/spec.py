@@ -60,7 +60,7 @@ def build_spec(o: QuantizeOptions, method: str, sym: bool, *, act_dtype: torch.d
         if o.scheme is not None and not tunable(SCHEME_GRIDS[o.scheme][0]("")):
             raise OptionError(f"<iters> (learned rounding) tunes the integer and FP4 grids; <scheme> {o.scheme}'s FP8 "
                               "grid is not")  # fmt: skip
-        common["tune"] = TuneConfig(o.iters, o.lr, o.batch_size, o.seed, o.scale_lr)
+        common["tune"] = TuneConfig.for_method(method, o.iters, o.lr, o.batch_size, o.seed, o.scale_lr)
     elif o.lr is not None or o.scale_lr is not None:
         step = "<lr>" if o.lr is not None else "<scale_lr>"
         raise OptionError(f"{step} is learned rounding's step size: it needs <iters> > 0")

@@ -49,7 +49,9 @@ from llmopt.quantized_tensor import QuantizedTensor
 GAIN_RANGE = (-0.5, 0.2)  # a group's scale may shrink to half (clipping) or grow by a fifth
 # Measured (docs/quantize.md, "Step sizes"): at 20 steps AutoRound's 1/iters (0.05) flipped a quarter of a w3
 # block's codes and left held-out error worse than GPTQ's; 0.005-0.01 lowered it by a fifth to a quarter. The
-# scale gains, which move every code of a group at once, did best at a fifth of the offsets' step.
+# scale gains, which move every code of a group at once, did best at a fifth of the offsets' step from GPTQ's
+# answer (its codes were chosen for its scales); from round-to-nearest's min-max scales at the offsets' own step,
+# as AutoRound's minmax_lr (w2 g64, 20 steps: KL 1.619 against 1.715 at a fifth).
 MAX_DEFAULT_LR = 0.01
 SCALE_LR_DIVISOR = 5
 # Steps × weights of a block from which the integer grid's rounding arithmetic is compiled (torch inductor fuses
@@ -63,13 +65,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TuneConfig:
-    """Learned rounding's options (QuantizeOptions.iters, lr, batch_size, seed, scale_lr)."""
+    """Learned rounding's options (QuantizeOptions.iters, lr, batch_size, seed, scale_lr; the default scale step
+    depends on the method it starts from)."""
 
     iters: int = 200
     lr: float | None = None  # None: 1 / iters (AutoRound's default) up to MAX_DEFAULT_LR
     batch_size: int = 8  # calibration samples per step
     seed: int = 0
-    scale_lr: float | None = None  # the scale gains' step size; None: lr / SCALE_LR_DIVISOR
+    scale_lr: float | None = None  # the scale gains' step size; None: lr / scale_divisor
+    scale_divisor: float = SCALE_LR_DIVISOR  # 1 from round-to-nearest (`for_method`)
 
     @property
     def rate(self) -> float:
@@ -77,7 +81,13 @@ class TuneConfig:
 
     @property
     def scale_rate(self) -> float:
-        return self.scale_lr if self.scale_lr is not None else self.rate / SCALE_LR_DIVISOR
+        return self.scale_lr if self.scale_lr is not None else self.rate / self.scale_divisor
+
+    @staticmethod
+    def for_method(method: str, iters: int, lr: float | None, batch_size: int, seed: int,
+                   scale_lr: float | None) -> TuneConfig:  # fmt: skip
+        """The options tuning `method`'s answer: from round-to-nearest the scales step as the offsets do."""
+        return TuneConfig(iters, lr, batch_size, seed, scale_lr, 1.0 if method == "rtn" else SCALE_LR_DIVISOR)
 
 
 @dataclass

@@ -151,10 +151,18 @@ def test_the_compiled_rounding_is_the_eager_one_and_a_failed_compile_falls_back(
     assert all(torch.equal(fallen[n].codes, eager[n].codes) for n in eager)
 
 
-def test_step_sizes_default_to_autorounds_rule_capped_and_a_fifth_for_the_scales() -> None:
+def test_step_sizes_default_to_autorounds_rule_capped_and_a_fifth_for_the_scales_after_gptq() -> None:
+    from llmopt.options import QuantizeOptions
+    from llmopt.quant.spec import build_spec
+
     assert (TuneConfig(200).rate, TuneConfig(20).rate, TuneConfig(20, 0.05).rate) == (0.005, 0.01, 0.05)
     assert (TuneConfig(200).scale_rate, TuneConfig(20, 0.05).scale_rate, TuneConfig(20, scale_lr=0.0).scale_rate) == (
         0.001, 0.01, 0.0)
+    # from round-to-nearest's min-max scales, the scales step as the offsets do (AutoRound's minmax_lr)
+    tuned = {m: build_spec(QuantizeOptions(iters=200), m, False).tune for m in ("rtn", "gptq", "awq", "awq+gptq")}
+    assert tuned["rtn"].scale_rate == tuned["rtn"].rate == 0.005
+    assert all(tuned[m].scale_rate == 0.001 for m in ("gptq", "awq", "awq+gptq"))
+    assert build_spec(QuantizeOptions(iters=200, scale_lr=0.002), "rtn", False).tune.scale_rate == 0.002
 
 
 def test_a_zero_scale_step_keeps_the_methods_scales_and_still_tunes_the_codes(tmp_path) -> None:
@@ -208,8 +216,9 @@ def test_cli_records_the_tuning_and_refuses_what_it_cannot_tune(llmopt_here, tin
     r = llmopt_here("--json", "quantize", tiny_models("llama"), "--method", "rtn", "--bits", "3", "--group-size", "32",
                     "--iters", "4", "--nsamples", "2", "--seqlen", "16", "--seed", "3", "-o", out)
     assert r.returncode == 0, r.stderr
-    assert json.loads((out / "config.json").read_text())["llmopt"]["tune"] == {"iters": 4, "lr": 0.01, "scale_lr": 0.002, "batch_size": 8,
-                                                                                "seed": 3}
+    # (from round-to-nearest the scales step as the offsets do)
+    assert json.loads((out / "config.json").read_text())["llmopt"]["tune"] == {"iters": 4, "lr": 0.01, "scale_lr": 0.01,
+                                                                                "batch_size": 8, "seed": 3}
     assert all("tune_mse" in layer for layer in json.loads(r.stdout)["layers"])
     for args, expect in ((["--lr", "0.01"], "--lr is learned rounding's step size: it needs --iters > 0"),
                          (["--scale-lr", "0"], "--scale-lr is learned rounding's step size: it needs --iters > 0"),

@@ -12,10 +12,11 @@ Configs (AutoRound's format / llmopt's command):
   q4_k_m  GGUF Q4_K_M      AutoRound `gguf:q4_k_m`                   / convert --to gguf --type Q4_K_M --method gptq
   q2_k    GGUF Q2_K        AutoRound `gguf:q2_k_s`                   / convert --to gguf --type Q2_K --method gptq
 AutoRound runs with each of `--autoround-iters` (0: its optimized round-to-nearest; 200: its default
-signed-gradient tuning), llmopt with each of `--llmopt-iters` (0: the method alone; N: learned rounding).
+signed-gradient tuning), llmopt with each of `--llmopt-methods` (default gptq) and `--llmopt-iters` (0: the
+method alone; N: learned rounding from its answer).
 
 AutoRound needs its own venv beside this project's torch (it pins other transformers versions):
-  python -m venv /tmp/arvenv && /tmp/arvenv/bin/pip install torch==2.13.0 auto-round gguf
+  python -m venv /tmp/arvenv && /tmp/arvenv/bin/pip install torch==2.13.0 auto-round gguf sentencepiece
 Usage:
   python benchmarks/autoround.py --autoround-python /tmp/arvenv/bin/python --offgrid --configs w4g128 q4_k_m \\
       --autoround-iters 0 --llmopt-iters 0
@@ -96,8 +97,10 @@ def run_autoround(python: str, src: Path, out: Path, cfg: dict, iters: int, toke
     return {**run, "path": autoround_output(out)}
 
 
-def run_llmopt(src: Path, out: Path, cfg: dict, iters: int, nsamples: int, seqlen: int, seed: int, batch: int) -> dict:
+def run_llmopt(src: Path, out: Path, cfg: dict, iters: int, nsamples: int, seqlen: int, seed: int, batch: int,
+               method: str = "gptq") -> dict:  # fmt: skip
     command, *options = cfg["llmopt"]
+    options = [method if prev == "--method" else o for prev, o in zip([None, *options], options)]
     out = out.with_suffix(".gguf") if command == "convert" else out
     cmd = [sys.executable, "-m", "llmopt.cli.app", "--json", command, str(src), *options, "-o", str(out), "--force",
            "--calib", str(DATA / "valid.txt"), "--nsamples", str(nsamples), "--seqlen", str(seqlen), "--seed", str(seed),
@@ -109,8 +112,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--autoround-python", required=True, help="A python with auto-round installed (see above).")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    ap.add_argument("--autoround-iters", nargs="+", type=int, default=[0, 200])
+    ap.add_argument("--autoround-iters", nargs="*", type=int, default=[0, 200])
     ap.add_argument("--llmopt-iters", nargs="+", type=int, default=[0, 20])
+    ap.add_argument("--llmopt-methods", nargs="+", default=["gptq"], choices=["gptq", "rtn", "awq", "awq+gptq"],
+                    help="llmopt's method, tuned from with --llmopt-iters > 0 (at 2 bits rtn is the better start)")
     ap.add_argument("--nsamples", type=int, default=32)
     ap.add_argument("--seqlen", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=4)
@@ -131,16 +136,18 @@ def main() -> None:
                                 args.seed, args.batch_size)  # fmt: skip
             rows.append({"tool": "autoround", "config": name, "iters": iters, **_measured(run)})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-        for iters in args.llmopt_iters:
-            run = run_llmopt(src, work / f"llmopt-{name}-i{iters}", cfg, iters, args.nsamples, args.seqlen, args.seed,
-                             args.batch_size)  # fmt: skip
-            rows.append({"tool": "llmopt", "config": name, "iters": iters, **_measured(run)})
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        for method in args.llmopt_methods:
+            for iters in args.llmopt_iters:
+                tag = "" if method == "gptq" else f"-{method}"
+                run = run_llmopt(src, work / f"llmopt-{name}{tag}-i{iters}", cfg, iters, args.nsamples, args.seqlen,
+                                 args.seed, args.batch_size, method)  # fmt: skip
+                rows.append({"tool": f"llmopt {method}", "config": name, "iters": iters, **_measured(run)})
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     for row, scored in zip(rows, kl_scores([r["path"] for r in rows], str(src), args.windows)):
         row.update(kl=scored["kl_divergence"], ppl=scored["perplexity"], top1=scored["top1_agreement"])
-    print(f"\n{'config':8} {'tool':10} {'iters':>5} {'KL':>9} {'ppl':>9} {'top-1':>7} {'MiB':>8} {'seconds':>8} {'peak MiB':>8}")
+    print(f"\n{'config':8} {'tool':14} {'iters':>5} {'KL':>9} {'ppl':>9} {'top-1':>7} {'MiB':>8} {'seconds':>8} {'peak MiB':>8}")
     for r in rows:
-        print(f"{r['config']:8} {r['tool']:10} {r['iters']:5d} {r['kl']:9.5f} {r['ppl']:9.3f} {r['top1']:7.4f} "
+        print(f"{r['config']:8} {r['tool']:14} {r['iters']:5d} {r['kl']:9.5f} {r['ppl']:9.3f} {r['top1']:7.4f} "
               f"{r['mib']:8.2f} {r['seconds']:8.1f} {r['peak_rss_mib']:8.0f}")  # fmt: skip
     print(json.dumps({"benchmark": "autoround", **{k: v for k, v in vars(args).items() if k != "autoround_python"},
                       "model": str(src), "rows": rows}))  # fmt: skip

@@ -11,6 +11,7 @@ Configs (AutoRound's format / llmopt's command):
   w2g64   int2 g64 asym    AutoRound `fake`                          / quantize --method gptq --asym --format dense
   q4_k_m  GGUF Q4_K_M      AutoRound `gguf:q4_k_m`                   / convert --to gguf --type Q4_K_M --method gptq
   q2_k    GGUF Q2_K        AutoRound `gguf:q2_k_s`                   / convert --to gguf --type Q2_K --method gptq
+          (llama.cpp's Q2_K mix in llmopt: 84.1 MiB for SmolLM2 against AutoRound's Q2_K_S, 91.6 MiB)
 AutoRound runs with each of `--autoround-iters` (0: its optimized round-to-nearest; 200: its default
 signed-gradient tuning), llmopt with each of `--llmopt-methods` (default gptq) and `--llmopt-iters` (0: the
 method alone; N: learned rounding from its answer).

@@ -20,6 +20,7 @@ from llmopt.quant.rtn import RTNConfig
 from llmopt.quant.tune import TuneConfig
 from tests.factories import write_checkpoint
 from tests.formats.test_compressed_tensors import package_weights
+from tests.formats.gguf.llama_cpp_helpers import assert_near_tie, first_difference
 
 pytestmark = pytest.mark.slow
 VALID = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext-2" / "valid.txt"
@@ -76,8 +77,16 @@ def test_transformers_greedy_tokens_are_llmopts(smol_ct, name):
     ids = torch.tensor([loaded.tokenizer.encode(PROMPT)])
     model = transformers.AutoModelForCausalLM.from_pretrained(smol_ct[name], dtype=torch.float32)
     with torch.no_grad():
-        theirs = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, ids.shape[1]:].tolist()
-    assert len(ours) == 32 and ours == theirs and len(set(ours)) > 10
+        out = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)  # fmt: skip
+    theirs = out.sequences[0, ids.shape[1]:].tolist()
+    assert len(ours) == 32 and len(set(ours)) > 10
+    # other thread counts round the products otherwise: a near-tie may break the other way (under `-n 2` the
+    # tuned checkpoint split at token 16, where llmopt took the end-of-text token that min_new_tokens keeps
+    # transformers from), and past it the two continuations are no longer comparable: the raw logits decide
+    first = first_difference(ours, theirs)
+    if first is not None:
+        assert_near_tie(first, 32, float(out.logits[first][0, theirs[first]] - out.logits[first][0, ours[first]]))
 
 
 def test_gptq_in_compressed_tensors_has_the_gptq_checkpoints_codes(smol_ct):

@@ -202,8 +202,9 @@ class RoundingOptions(Options):
                               "0.01), falling linearly to 0.", gt=0, le=1, hint="choose a step size in (0, 1]",
                               show_default=False)  # fmt: skip
     scale_lr: float | None = option(None, "Learned rounding's step size for the group scales' gains (default --lr from "
-                                    "--method rtn, as AutoRound's minmax_lr; --lr / 5 from gptq, awq, awq+gptq).", ge=0, le=1, hint="choose a step size in [0, 1] (0: scales "
-                                    "stay the method's)", show_default=False)  # fmt: skip
+                                    "--method rtn, as AutoRound's minmax_lr; --lr / 5 from gptq, awq, awq+gptq).",
+                                    ge=0, le=1, hint="choose a step size in [0, 1] (0: scales stay the method's)",
+                                    show_default=False)  # fmt: skip
 
 
 @_options

@@ -250,7 +250,9 @@ def _calibrated_block(source: ModelSource, spec: QuantizeSpec, method: Method, l
     # what tuning fits to and the fallback is judged by: the float block's outputs, on the unquantized
     # model's inputs where those are kept (x_fp), else on this block's
     x_in, targets = (x.clone(), torch.empty_like(x)) if keep else (x, None)
-    x_fp_in = x_fp.clone() if fallback is not None and x_fp is not None else None
+    # the fallback's own copy of the unquantized model's inputs where its pass advances them (GPTAQ's stage inputs);
+    # otherwise they are the float stream, the same whichever pass is kept
+    x_fp_in = x_fp.clone() if fallback is not None and method.full_precision_inputs else None
     block, run, floats, result = _method_block(source, spec, method, layer, x, x_fp, chunks, cos, sin, targets)
     if fallback is not None:
         error = _output_error(x, targets)
@@ -260,7 +262,7 @@ def _calibrated_block(source: ModelSource, spec: QuantizeSpec, method: Method, l
         if alt_error < error:
             block, run, floats, result = alt
             x.copy_(x_alt)
-            if x_fp is not None:
+            if x_fp_in is not None:
                 x_fp.copy_(x_fp_in)
         for report in result.reports:
             report.details.update(block_error=min(error, alt_error), fallback_error=alt_error, method_error=error,

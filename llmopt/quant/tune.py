@@ -8,8 +8,9 @@ closest to the float model's (mean squared error over the calibration tokens; th
 block on the quantized model's inputs and takes the targets from the float model's, so each block also
 makes up for the error of the blocks before it). The steps
 are signed gradient steps with a learning rate that falls linearly to zero (SignRound, Cheng et
-al. 2023), the gains' a fifth of the offsets' (a gain moves every code of its group at once),
-through a straight-through rounding:
+al. 2023), the gains' a fifth of the offsets' after GPTQ or AWQ (a gain moves every code of its group at
+once) and the offsets' own from round-to-nearest (`TuneConfig.for_method`), through a straight-through
+rounding:
 
     q = clamp(round(w / (s·(1+g)) + z + d0 + v), 0, 2**bits - 1),   ŵ = (q - z)·s·(1+g)
 
@@ -254,8 +255,8 @@ def tune_block(block: nn.Module, weights: dict[str, torch.Tensor], start: dict[s
 
     `forward(block, weights, samples)` runs the block on calibration samples with the given linear
     weights; `targets` [n, t, hidden] the float model's outputs of the block; `levels` the codes of a
-    linear whose grid has a set of them (`Grid.code_levels`). Returns the tuned results (or the start, where tuning did
-    not lower the error over every sample) and the block's losses."""
+    linear whose grid has a set of them (`Grid.code_levels`). Returns the tuned results (or the start,
+    where tuning did not lower the error over every sample) and the block's losses."""
     levels = levels or {}
     linears = {name: _Linear.of(weights[name], start[name], levels.get(name)) for name in start}
     n = targets.shape[0]

@@ -196,8 +196,8 @@ class RoundingOptions(Options):
     batch_size: int = option(8, "Calibration samples per forward pass (and per learned-rounding step).", ge=1, le=4096, hint="must be positive")
     iters: int = option(0, "Learned rounding: after the method, tune each block's codes and group scales for this many "
                         "signed-gradient steps against the float block's output (SignRound); 0 = off. Linears on "
-                        "evenly spaced grids (integer, GGUF legacy and K types) and FP4's levels (--scheme nvfp4a16, nvfp4, "
-                        "mxfp4a16); not FP8.", ge=0, le=100_000, hint="choose 0 (off) or a number of steps")  # fmt: skip
+                        "evenly spaced grids (integer, GGUF legacy and K types) and the levels of FP4 (--scheme nvfp4a16, nvfp4, "
+                        "mxfp4a16) and FP8 (--scheme fp8, fp8-dynamic).", ge=0, le=100_000, hint="choose 0 (off) or a number of steps")  # fmt: skip
     lr: float | None = option(None, "Learned rounding's step size for the rounding offsets (default 1/--iters, at most "
                               "0.01), falling linearly to 0.", gt=0, le=1, hint="choose a step size in (0, 1]",
                               show_default=False)  # fmt: skip

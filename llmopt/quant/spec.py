@@ -19,7 +19,7 @@ from llmopt.quant.grids.fp4 import MXFP4, mxfp4_grid
 from llmopt.quant.grids.nvfp4 import NVFP4, nvfp4_grid
 from llmopt.quant.pipeline import QuantizeSpec, head_weight_name
 from llmopt.quant.rtn import RTNConfig
-from llmopt.quant.tune import TuneConfig, tunable
+from llmopt.quant.tune import TuneConfig
 
 # each `--scheme`'s grid for every linear, and the (bits, group size) a method config states for it
 SCHEME_GRIDS = {"fp8-dynamic": (fp8_grid, 8, -1), "fp8": (fp8_grid, 8, -1), "nvfp4a16": (nvfp4_grid, 4, NVFP4.group_size),
@@ -57,9 +57,6 @@ def build_spec(o: QuantizeOptions, method: str, sym: bool, *, act_dtype: torch.d
     sym_scale = o.sym_scale or default_sym_scale(method)
     common = dict(quantize_head=o.quantize_head, batch_size=o.batch_size, act_dtype=act_dtype)
     if o.iters:
-        if o.scheme is not None and not tunable(SCHEME_GRIDS[o.scheme][0]("")):
-            raise OptionError(f"<iters> (learned rounding) tunes the integer and FP4 grids; <scheme> {o.scheme}'s FP8 "
-                              "grid is not")  # fmt: skip
         common["tune"] = TuneConfig.for_method(method, o.iters, o.lr, o.batch_size, o.seed, o.scale_lr)
     elif o.lr is not None or o.scale_lr is not None:
         step = "<lr>" if o.lr is not None else "<scale_lr>"

@@ -171,15 +171,26 @@ def test_target_bpw_chooses_among_the_bits_the_format_holds(tiny_models, tmp_pat
     assert 8 * stored / weights <= 6.0
 
 
-def test_fp8_dynamic_is_float_quantized_and_the_package_decompresses_it_exactly(tiny_models, tmp_path, llmopt_here):
+@pytest.mark.parametrize("tuned", [False, True], ids=["rtn", "tuned"])
+def test_fp8_dynamic_is_float_quantized_and_the_package_decompresses_it_exactly(tiny_models, tmp_path, llmopt_here,
+                                                                                tuned):  # fmt: skip
     """`--scheme fp8-dynamic`: float8 e4m3 `weight` and a float32 scale per row, activations per token at run
     time in the config; the package's FloatQuantizationCompressor gives llmopt's weights exactly (float32
-    scales, e4m3 values exact in float32), and transformers holds the same weights."""
+    scales, e4m3 values exact in float32), and transformers holds the same weights. With `--iters` (learned
+    rounding along the e4m3 values, row scales kept) the file is the same format, read the same way."""
     from compressed_tensors.compressors.base import BaseCompressor
 
     out = tmp_path / "fp8"
-    result = llmopt_here("quantize", tiny_models("llama"), "--scheme", "fp8-dynamic", "-o", out, "--json")
+    extra = []
+    if tuned:
+        (tmp_path / "calib.txt").write_text("\n".join(CORPUS))
+        extra = ["--iters", "30", "--calib", tmp_path / "calib.txt", "--nsamples", "8", "--seqlen", "32",
+                 "--batch-size", "4"]  # fmt: skip
+    result = llmopt_here("quantize", tiny_models("llama"), "--scheme", "fp8-dynamic", *extra, "-o", out, "--json")
     assert result.returncode == 0, result.stderr
+    if tuned:
+        layers = json.loads(result.stdout)["layers"]
+        assert all(r["tune_mse"] <= r["tune_start_mse"] for r in layers) and any(r["tune_kept"] for r in layers)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     (group,) = qc["config_groups"].values()
     assert (qc["format"], group["format"], group["weights"]["type"], group["weights"]["strategy"]) == \

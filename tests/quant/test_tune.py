@@ -15,6 +15,7 @@ from llmopt.model import open_model
 from llmopt.quant.gptq import GPTQConfig
 from llmopt.quant.grids import IntGrid
 from llmopt.quant.grids.fp4 import MXFP4, NVFP4Grid
+from llmopt.quant.grids.fp8 import FP8
 from llmopt.quant.grids.nvfp4 import NVFP4, nvfp4_grid
 from llmopt.quant.pipeline import QuantizeSpec, quantize_model
 from llmopt.quant.rtn import RTNConfig
@@ -40,16 +41,16 @@ def test_the_start_is_the_methods_answer(sym, group_size, g_idx) -> None:
     assert torch.equal(out.dequantize(torch.float32), qt.dequantize(torch.float32))
 
 
-@pytest.mark.parametrize("grid", [MXFP4, NVFP4Grid(), NVFP4], ids=lambda g: g.name)
+@pytest.mark.parametrize("grid", [MXFP4, NVFP4Grid(), NVFP4, FP8], ids=lambda g: g.name)
 def test_a_levelled_start_is_the_methods_answer_and_moves_along_the_levels(grid) -> None:
-    """FP4 (codes on a set of levels): with no offset the result is the method's codes (some a level off nearest, as GPTQ's are), bit for
+    """FP4 and FP8 (codes on a set of levels): with no offset the result is the method's codes (some a level off nearest, as GPTQ's are), bit for
     bit; offsets move codes only to levels of the grid, by one level per half-step of offset; gradients flow."""
     torch.manual_seed(0)
     w = torch.randn(24, 256)
     qt = grid.quantize(w)
     levels = torch.tensor(grid.code_levels)
     rank = torch.searchsorted(levels, qt.codes.long())
-    qt.codes = levels[(rank + torch.randint(-1, 2, rank.shape)).clamp(0, len(levels) - 1)].to(torch.uint8)
+    qt.codes = levels[(rank + torch.randint(-1, 2, rank.shape)).clamp(0, len(levels) - 1)].to(qt.codes.dtype)
     lin = _Linear.of(w, qt, grid.code_levels)
     assert torch.equal(lin.result().codes, qt.codes)
     assert torch.equal(lin.result().dequantize(torch.float32), qt.dequantize(torch.float32))
@@ -222,7 +223,6 @@ def test_cli_records_the_tuning_and_refuses_what_it_cannot_tune(llmopt_here, tin
     assert all("tune_mse" in layer for layer in json.loads(r.stdout)["layers"])
     for args, expect in ((["--lr", "0.01"], "--lr is learned rounding's step size: it needs --iters > 0"),
                          (["--scale-lr", "0"], "--scale-lr is learned rounding's step size: it needs --iters > 0"),
-                         (["--iters", "5", "--scheme", "fp8-dynamic"], "--iters (learned rounding) tunes the integer and FP4"),
                          (["--iters", "-1"], "--iters")):
         r = llmopt_here("quantize", tiny_models("llama"), "--group-size", "32", *args, "-o", tmp_path / "bad")
         assert_clean_failure(r, expect)

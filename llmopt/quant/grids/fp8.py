@@ -13,6 +13,7 @@ one definition of the weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -25,6 +26,12 @@ from llmopt.model.packing import fp8_values as values_of
 from llmopt.quantized_tensor import QuantizedTensor
 
 FP8_MAX = 448.0
+
+
+def _levels() -> tuple[int, ...]:
+    """Every finite e4m3 value as a code, ascending (253: ±448 ... ±2^-9 and one zero)."""
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+    return tuple(sorted(set(codes_of(values[values.isfinite()]).tolist())))
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,7 @@ class FP8Grid:
     block: int = 1
     group_size: int = -1  # one scale per output row
     sym: bool = True
+    code_levels: ClassVar[tuple[int, ...]] = _levels()  # learned rounding moves codes along them
 
     def span(self, cols: int) -> int:
         return cols

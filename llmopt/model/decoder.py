@@ -260,8 +260,10 @@ class Rotary(nn.Module):
         super().__init__()
         tables = arch.family.rope_archs(arch)  # [head_dim / 2], or one row per table (Gemma 3: two)
 
-        def freqs(long: bool) -> torch.Tensor:
-            return inv_freq(tables[0], long) if len(tables) == 1 else torch.stack([inv_freq(a, long) for a in tables])
+        def freqs(long: bool) -> torch.Tensor:  # on the CPU, in a model built on the meta device too (moved with
+            # it later): a meta tensor's arithmetic imports torch._dynamo at its first call, 1 s of a model load
+            with torch.device("cpu"):
+                return inv_freq(tables[0], long) if len(tables) == 1 else torch.stack([inv_freq(a, long) for a in tables])
 
         self.register_buffer("inv_freq", freqs(False), persistent=False)
         self.long_from = long_from(tables[0])  # None: one set of frequencies
@@ -305,13 +307,21 @@ class Rotary(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def _embedding(rows: int, dim: int) -> nn.Embedding:
+    """nn.Embedding, left uninitialized when built on the meta device (the runtime assigns the file's table): a
+    meta tensor's random `normal_` imports torch._dynamo at its first call, 1 s of every model load."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+    return nn.Embedding(rows, dim)
+
+
 class Decoder(nn.Module):
     """Embeddings, blocks, final norm and LM head. `forward(ids, start, cache) -> logits`."""
 
     def __init__(self, arch: ArchSpec):
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = _embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(arch.family.make_block(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.family.norm_shift)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)

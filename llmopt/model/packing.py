@@ -71,7 +71,11 @@ def unpack_rows(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     units = rows // words
     if n > units * per:
         raise ValueError(f"{rows} packed rows hold {units * per} values, not {n}")
-    p = packed.to(torch.int64) & 0xFFFFFFFF
+    if 32 % bits == 0:  # whole values per word (2, 4, 8 bits): value i is bits i*bits.. of its word, low first
+        shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device).view(1, per, 1)
+        values = (packed.to(torch.int32).view(rows, 1, m) >> shifts) & ((1 << bits) - 1)
+        return values.reshape(rows * per, m)[:n].contiguous()
+    p = packed.to(torch.int64) & 0xFFFFFFFF  # values cross words (3 bits): through the bit stream
     stream = (p.view(units, words, 1, m) >> torch.arange(32, device=p.device).view(1, 1, 32, 1)) & 1
     stream = stream.reshape(units, per, bits, m)
     weights = (torch.ones(bits, dtype=torch.int64, device=p.device) << torch.arange(bits, device=p.device)).view(1, 1, bits, 1)

@@ -37,7 +37,7 @@ def packable(qt: QuantizedTensor, device: torch.device, dtype: torch.dtype) -> b
     out_f, in_f = qt.shape
     gs = qt.group_size
     return (dtype == KERNEL_DTYPE and qt.bits == 4 and qt.zeros is not None and kernel_shape_ok(out_f, in_f, gs, device)
-            and torch.equal(qt.group_index(), torch.arange(in_f) // gs))
+            and qt.plain_groups())
 
 
 def kernel_shape_ok(out_features: int, in_features: int, group_size: int, device: torch.device) -> bool:

@@ -202,3 +202,22 @@ def test_contiguous_weights_give_same_logits(tiny_models):
         ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(4))
         with torch.no_grad():
             assert (plain(ids) - fast(ids)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_loading_a_model_does_not_import_dynamo(tiny_models, tmp_path, fmt):
+    """A load builds the model on the meta device; a meta tensor's first arithmetic (a random init, the
+    rotary frequencies) imports torch._dynamo, a second of every `generate`'s start. Checked in a fresh
+    process, as a user's run starts."""
+    import subprocess
+    import sys
+
+    path = tiny_models("llama")
+    if fmt == "gguf":
+        from llmopt.api.convert import convert_to_gguf
+
+        path = convert_to_gguf(path, tmp_path / "m.gguf", "Q4_K_M")["output"]
+    code = ("import sys; from llmopt.runtime.weights import load_model; "
+            f"load_model({str(path)!r}, quantized=False); print('torch._dynamo' in sys.modules)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr

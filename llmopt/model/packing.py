@@ -126,11 +126,10 @@ def pack_awq(values: torch.Tensor) -> torch.Tensor:
 def unpack_awq(packed: torch.Tensor, cols: int | None = None) -> torch.Tensor:
     """Inverse of `pack_awq`: int32 [rows, words] -> int32 [rows, cols] values in [0, 16)."""
     rows, words = packed.shape
-    nibbles = (packed.to(torch.int64).unsqueeze(-1) >> (4 * torch.arange(8, dtype=torch.int64))) & 0xF
-    values = torch.empty_like(nibbles)
-    values[:, :, list(AWQ_ORDER)] = nibbles  # nibble i is value AWQ_ORDER[i]
-    values = values.reshape(rows, words * 8)
-    return (values if cols is None else values[:, :cols]).to(torch.int32)
+    # value j is nibble AWQ_ORDER.index(j) of its word: shifted straight into place, no scatter
+    shifts = torch.tensor([4 * AWQ_ORDER.index(j) for j in range(8)], dtype=torch.int32, device=packed.device)
+    values = ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF).reshape(rows, words * 8)
+    return values if cols is None else values[:, :cols].contiguous()
 
 
 # FP8 E4M3 values as QuantizedTensor codes (quant/grids/fp8.py): every e4m3 value times 2^9 is an integer

@@ -11,8 +11,9 @@ engines on the same synthetic prompt, batch 1, greedy, the same threads:
   dequantized float model is the floor no default may fall below),
 * `llama.cpp` (llama-cpp-python, in-process) on the same GGUF, or on the Q4_0 file for GPTQ/AWQ.
 
-With `--first-token`, also the time from loading a GGUF to its first token, each engine in a fresh process
-(after its imports; the whole process's wall time beside it), as a user's one-off validation run pays it.
+With `--first-token`, also the time from loading a file to its first token, each engine in a fresh process
+(after its imports; the whole process's wall time beside it), as a user's one-off validation run pays it
+(a GPTQ/AWQ checkpoint against llama.cpp on the Q4_0 file; `--no-decode` runs only this).
 
 Each configuration runs `--repeats` times, interleaved with the others, and the best run counts (the
 least disturbed by other work on the machine). Prints a table (decode and prefill tok/s, the ratio to
@@ -114,6 +115,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--first-token", action="store_true", help="also load + first token, fresh processes")
+    ap.add_argument("--no-decode", dest="decode", action="store_false", help="skip the decode runs (with --first-token)")
     ap.add_argument("--workdir", type=Path, default=Path("build/decode-formats"))
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -122,7 +124,7 @@ def main() -> None:
     files = {f: written(f, source, args.workdir) for f in formats}
     if any(f in CHECKPOINTS for f in formats):
         files.setdefault("Q4_0", written("Q4_0", source, args.workdir))
-    gbs, where = measure_read_bandwidth("cpu", args.threads)
+    gbs, where = measure_read_bandwidth("cpu", args.threads) if args.decode else (0.0, "not measured")
     runs: dict[tuple[str, str], dict] = {}
 
     def run(fmt: str, engine: str, mode: str) -> None:
@@ -135,7 +137,7 @@ def main() -> None:
         if best is None or row(report)["decode_tok_s"] > best["decode_tok_s"]:
             runs[key] = row(report)
 
-    for _ in range(args.repeats):
+    for _ in range(args.repeats if args.decode else 0):
         for fmt in formats:
             for mode in MODES:
                 run(fmt, "llmopt", mode)
@@ -146,7 +148,7 @@ def main() -> None:
     print(f"{'format':8} {'engine':24} {'decode t/s':>10} {'x llama':>7} {'prefill t/s':>11} {'TTFT ms':>8} "
           f"{'MB/step':>8} {'GB/s':>6} {'of bw':>6}")
     table = []
-    for fmt in formats:
+    for fmt in formats if args.decode else ():
         peer = runs[(fmt, "llama.cpp")]["decode_tok_s"]
         for engine in [*(f"llmopt {m}" for m in MODES), "llama.cpp"]:
             r = runs[(fmt, engine)]
@@ -159,14 +161,16 @@ def main() -> None:
     starts = []
     if args.first_token:
         print(f"\nload + first token (fresh process, best of {args.repeats}; whole process incl. imports in brackets)")
-        for fmt in (f for f in formats if f not in CHECKPOINTS):
+        for fmt in formats:
             best = {}
             for _ in range(args.repeats):
-                for engine in FIRST_TOKEN:
-                    got = first_token(engine, files[fmt], args.threads)
+                for engine in FIRST_TOKEN:  # llama.cpp on the Q4_0 file for a checkpoint, as in decode
+                    path = files["Q4_0" if engine == "llama.cpp" and fmt in CHECKPOINTS else fmt]
+                    got = first_token(engine, path, args.threads)
                     best[engine] = min(best.get(engine, got), got)
             ratio = best["llmopt"][0] / best["llama.cpp"][0]
-            print(f"{fmt:8} llmopt {best['llmopt'][0]:6.2f} s ({best['llmopt'][1]:5.2f})   llama.cpp "
+            peer = "llama.cpp" if fmt not in CHECKPOINTS else "llama.cpp (Q4_0)"
+            print(f"{fmt:8} llmopt {best['llmopt'][0]:6.2f} s ({best['llmopt'][1]:5.2f})   {peer} "
                   f"{best['llama.cpp'][0]:6.2f} s ({best['llama.cpp'][1]:5.2f})   ratio {ratio:5.2f}")
             starts.append({"format": fmt, "llmopt_s": best["llmopt"], "llama_cpp_s": best["llama.cpp"], "ratio": ratio})
     print(json.dumps({"benchmark": "decode_formats", "model": name, "threads": args.threads,

@@ -73,7 +73,7 @@ def unpack_rows(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         raise ValueError(f"{rows} packed rows hold {units * per} values, not {n}")
     if 32 % bits == 0:  # whole values per word (2, 4, 8 bits): value i is bits i*bits.. of its word, low first
         shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device).view(1, per, 1)
-        values = (packed.to(torch.int32).view(rows, 1, m) >> shifts) & ((1 << bits) - 1)
+        values = (packed.to(torch.int32).reshape(rows, 1, m) >> shifts) & ((1 << bits) - 1)
         return values.reshape(rows * per, m)[:n].contiguous()
     p = packed.to(torch.int64) & 0xFFFFFFFF  # values cross words (3 bits): through the bit stream
     stream = (p.view(units, words, 1, m) >> torch.arange(32, device=p.device).view(1, 1, 32, 1)) & 1

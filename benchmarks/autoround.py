@@ -103,9 +103,11 @@ def run_llmopt(src: Path, out: Path, cfg: dict, iters: int, nsamples: int, seqle
     command, *options = cfg["llmopt"]
     options = [method if prev == "--method" else o for prev, o in zip([None, *options], options)]
     out = out.with_suffix(".gguf") if command == "convert" else out
+    calibrated = method != "rtn" or iters > 0  # (round to nearest alone takes no calibration options)
+    calib = ["--calib", str(DATA / "valid.txt"), "--nsamples", str(nsamples), "--seqlen", str(seqlen), "--seed", str(seed),
+             "--batch-size", str(batch), "--iters", str(iters)] if calibrated else []  # fmt: skip
     cmd = [sys.executable, "-m", "llmopt.cli.app", "--json", command, str(src), *options, "-o", str(out), "--force",
-           "--calib", str(DATA / "valid.txt"), "--nsamples", str(nsamples), "--seqlen", str(seqlen), "--seed", str(seed),
-           "--batch-size", str(batch), "--iters", str(iters)]  # fmt: skip
+           *calib]  # fmt: skip
     return {**timed(cmd), "path": out}
 
 

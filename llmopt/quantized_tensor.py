@@ -65,11 +65,7 @@ class QuantizedTensor:
     def _per_column(self, t: torch.Tensor) -> torch.Tensor:
         if t.shape[1] == 1:
             return t.expand(self.shape[0], 1) if t.shape[0] == 1 else t
-        rows, cols = self.shape
-        gs = self.group_size
-        if self.g_idx is None and gs > 0 and t.shape[1] * gs == cols:  # contiguous whole groups: a view
-            return t.unsqueeze(-1).expand(rows, t.shape[1], gs).reshape(rows, cols)
-        return t[:, self.group_index()]
+        return t[:, self.group_index()]  # (contiguous groups never come here: `dequantize` broadcasts them)
 
     def take_rows(self, rows: torch.Tensor | slice) -> QuantizedTensor:
         """The output rows `rows` (a slice or an index tensor) as a QuantizedTensor of their own, every
@@ -128,10 +124,11 @@ class QuantizedTensor:
         """The exact weights these codes stand for, computed in float32. Contiguous groups (a last partial one
         too) take their scales by broadcasting over views of the codes, not copied out per column: the same
         products, in place, in a third of the time (SmolLM2 GPTQ w4 g128's load)."""
-        rows, cols = self.shape
+        cols = self.shape[1]
         w = self.codes.to(torch.float32, copy=True)
         gs = self.group_size
-        if self.scales.shape[1] == -(-cols // max(gs, 1)) > 1 and self.plain_groups():
+        groups = -(-cols // gs) if gs > 0 else 0
+        if groups > 1 and self.scales.shape[1] == groups and self.plain_groups():
             full = cols // gs
             spans = [(w[:, :full * gs].unflatten(1, (full, gs)), slice(0, full))]
             if cols % gs:

@@ -167,7 +167,7 @@ def _float(source: ModelSource, name: str, dtype: torch.dtype, device: torch.dev
     form = stored_form(source, name) if isinstance(source, GGUFSource) else None
     block = has_module(form) and form is not GGMLQuantType.F16
     rows = quantized_module(form, _stored_weight(source, name), None, rows=True) if block else None
-    if rows is None or source.arch.family.gguf_shift(name):
+    if rows is None:
         return source.load(name, dtype=torch.float32).to(device=device, dtype=dtype)
     return rows.rows(slice(None)).to(device=device, dtype=dtype)
 

@@ -113,12 +113,13 @@ def run_gptqmodel(python: str, src: str, out: str, method: str, bits: int, sym: 
                   str(nsamples), str(seqlen), str(seed), str(group_size)])  # fmt: skip
 
 
-def kl_scores(models: list[str], ref: str, windows: int = 40) -> list[dict]:
-    """One `llmopt eval` of every model against `ref` on test.txt (ctx 512; the reference's forward shared
-    by all): each model's KL divergence, perplexity and top-1 agreement, in order."""
+def kl_scores(models: list[str], ref: str, windows: int = 40, data: Path | None = None) -> list[dict]:
+    """One `llmopt eval` of every model against `ref` on `data` (test.txt unless given; ctx 512; the
+    reference's forward shared by all): each model's KL divergence, perplexity and top-1 agreement, in order."""
     cmd = [sys.executable, "-m", "llmopt.cli.app", "--json", "eval", *models, "--ref", ref, "--data",
-           str(DATA / "test.txt"), "--ctx", "512", "--windows", str(windows)]
-    return json.loads(subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True).stdout)["models"]
+           str(data or DATA / "test.txt"), "--ctx", "512", "--windows", str(windows)]
+    out = json.loads(subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True).stdout)
+    return out["models"] if "models" in out else [out]  # one model: its result alone
 
 
 def timed(cmd: list[str]) -> dict:

@@ -12,6 +12,7 @@ tokens, seed 0. Each output is scored by one `llmopt eval` per text against the 
 (ctx 512, 40 windows): perplexity, KL divergence, top-1 agreement.
 
   python benchmarks/calib_domains.py --offgrid
+  python benchmarks/calib_domains.py --offgrid --methods --gguf-types Q4_K_M --calibs self  # GGUF rows only
   python benchmarks/calib_domains.py --offgrid --extra gptq-self-random=/tmp/old/gptq  # outputs made elsewhere
 """
 
@@ -26,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.quality import DATA, kl_scores, run_llmopt, source_model  # noqa: E402
+from benchmarks.quality import DATA, kl_scores, run_llmopt, source_model, timed  # noqa: E402
 
 CODE_MODULES = ("argparse.py", "json/decoder.py", "json/encoder.py", "collections/__init__.py", "difflib.py",
                 "textwrap.py", "csv.py", "heapq.py", "statistics.py", "fractions.py", "shutil.py", "tempfile.py")
@@ -65,11 +66,36 @@ def literary_text(work: Path, given: Path | None) -> Path:
     return out
 
 
+def gguf_files(src: Path, work: Path, gguf_type: str, calib: str, seed: int) -> list[tuple[str, float | None, str]]:
+    """(name, seconds, path) of the imatrix file and the GPTQ file of `gguf_type` from one calibration,
+    128 × 512 tokens (the imatrix over as many chunks), made unless present."""
+    text = "self" if calib == "self" else str(DATA / "valid.txt")
+    made = []
+    imatrix, plain = work / f"domains-imatrix-{calib}-s{seed}.gguf", work / f"domains-{gguf_type}-imatrix-{calib}-s{seed}.gguf"
+    gptq = work / f"domains-{gguf_type}-gptq-{calib}-s{seed}.gguf"
+    steps = {plain: [["imatrix", str(src), "--calib", text, "--chunks", "128", "-c", "512", "--seed", str(seed),
+                      "-o", str(imatrix), "--force"],
+                     ["convert", str(src), "--to", "gguf", "--type", gguf_type, "--imatrix", str(imatrix), "-o", str(plain),
+                      "--force"]],
+             gptq: [["convert", str(src), "--to", "gguf", "--type", gguf_type, "--method", "gptq", "--calib", text,
+                     "--nsamples", "128", "--seqlen", "512", "--seed", str(seed), "-o", str(gptq), "--force"]]}
+    for path, commands in steps.items():
+        seconds = None
+        if not path.is_file():
+            seconds = sum(timed([sys.executable, "-m", "llmopt.cli.app", *c])["seconds"] for c in commands)
+            print(f"{path.name}: {seconds} s", flush=True)
+        made.append((path.name.removeprefix("domains-").removesuffix(f"-s{seed}.gguf"), seconds, str(path)))
+    return made
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "bench-autoround")
     ap.add_argument("--offgrid", action="store_true", help="the off-grid reference model (../shared/tools)")
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--gguf-types", nargs="*", default=[], metavar="TYPE",
+                    help="also GGUF files of these types: llama.cpp's way (an imatrix of the calibration, the plain "
+                         "mix) and `convert --method gptq`, both from the same calibration")
     ap.add_argument("--calibs", nargs="+", default=["self", "wikitext"], choices=["self", "wikitext"])
     ap.add_argument("--extra", nargs="*", default=[], metavar="NAME=DIR", help="outputs made elsewhere, scored too")
     ap.add_argument("--literary", type=Path, help="a literary text instead of the fortunes files")
@@ -92,6 +118,9 @@ def main() -> None:
                 runs[name] = run_llmopt(str(src), str(out), options, 128, 512, args.seed)["seconds"]
                 print(f"{name}: {runs[name]} s", flush=True)
             outputs[name] = str(out)
+        for gguf_type in args.gguf_types:
+            for name, seconds, path in gguf_files(src, args.work, gguf_type, calib, args.seed):
+                runs[name], outputs[name] = seconds, path
     outputs.update(dict(e.split("=", 1) for e in args.extra))
     rows = {name: {"seconds": runs.get(name)} for name in outputs}
     for domain, path in texts.items():

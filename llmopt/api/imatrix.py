@@ -12,14 +12,17 @@ import torch
 from llmopt.api.budget import check_memory, dry_run
 from llmopt.calibration.imatrix import chunk_tokens, compute_imatrix
 from llmopt.calibration.samples import token_stream
-from llmopt.calibration.text import read_texts
-from llmopt.device import resolve_device
+from llmopt.calibration.self_text import generate_samples
+from llmopt.calibration.text import SELF, read_texts
+from llmopt.device import resolve_calib_dtype, resolve_device
 from llmopt.errors import OptionError
 from llmopt.formats.atomic import check_output
 from llmopt.formats.imatrix import write_imatrix
 from llmopt.model import ModelSource, open_model
 from llmopt.options import ImatrixOptions
 from llmopt.plan.footprint import Workload
+
+SELF_CHUNKS = 128  # as many rows as quantize's --nsamples default
 
 
 def imatrix(model: str | Path, calib: str, output: str | Path, options: ImatrixOptions | None = None, *,
@@ -34,7 +37,7 @@ def imatrix(model: str | Path, calib: str, output: str | Path, options: ImatrixO
     dev = resolve_device(device)
     start = time.perf_counter()
     with open_model(model) as source:
-        tokens = _chunks(source, model, calib, o)
+        tokens = _chunks(source, model, calib, o, generate_on=dev)
         check_memory(source.arch, [_workload(tokens)])
         result = compute_imatrix(source, tokens, device=dev, dataset=calib, on_layer=on_layer)
     final = write_imatrix(result, Path(output), legacy_dat=o.output_format == "dat")
@@ -50,8 +53,17 @@ def plan_imatrix(model: str | Path, calib: str, options: ImatrixOptions | None =
         return dry_run(source.arch, [_workload(_chunks(source, model, calib, o))])
 
 
-def _chunks(source: ModelSource, model: str | Path, calib: str, o: ImatrixOptions) -> torch.Tensor:
-    """The calibration text as llama-imatrix chunks it: [chunks, ctx_size] token ids."""
+def _chunks(source: ModelSource, model: str | Path, calib: str, o: ImatrixOptions,
+            generate_on: torch.device | None = None) -> torch.Tensor:  # fmt: skip
+    """The calibration text as llama-imatrix chunks it: [chunks, ctx_size] token ids. `self`: the
+    samples `quantize --calib self --seed 0` takes (SELF_CHUNKS rows unless --chunks, written in the
+    calibration dtype of `generate_on`; zeros of their shape for a dry run)."""
+    if calib == SELF:
+        rows = o.chunks or SELF_CHUNKS
+        if generate_on is None:
+            return torch.zeros(rows, o.ctx_size, dtype=torch.int64)
+        dtype = resolve_calib_dtype("auto", generate_on)
+        return generate_samples(source, rows, o.ctx_size, seed=0, device=generate_on, dtype=dtype)
     tok = source.tokenizer()
     if tok is None:
         raise OptionError(f"{model}: has no tokenizer to read the calibration text with")

@@ -19,7 +19,7 @@ from llmopt.options import ImatrixOptions
 def imatrix_command(
     ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="Source: an HF directory, a .gguf file or a hub id.")],
-    calib: Annotated[str, typer.Option("--calib", help="Calibration text: .txt/.jsonl/.parquet file or a preset.")],
+    calib: Annotated[str, typer.Option("--calib", help="Calibration text: .txt/.jsonl/.parquet file, a preset, or self (the samples quantize --calib self takes).")],
     output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Output file (llama.cpp GGUF imatrix format).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the chunks, the memory per block and the estimated "
                                           "time; compute nothing.")] = False,

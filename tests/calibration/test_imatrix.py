@@ -97,3 +97,22 @@ def test_chunks_are_consecutive_with_bos() -> None:
     assert chunk_tokens(stream, 16, None, None).shape == (6, 16)
     with pytest.raises(InputError):
         chunk_tokens(stream, 200, None, None)
+
+
+def test_imatrix_over_self_written_samples(tiny_models, tmp_path: Path) -> None:
+    """`imatrix --calib self` reads the samples `quantize --calib self --seed 0` takes: the file's sums
+    are compute_imatrix's over exactly those tokens."""
+    from llmopt.api.imatrix import imatrix
+    from llmopt.calibration.self_text import generate_samples
+    from llmopt.device import resolve_calib_dtype
+
+    path = tiny_models("llama")
+    summary = imatrix(path, "self", tmp_path / "im.gguf", chunks=3, ctx_size=20, device="cpu")
+    assert summary["chunks"] == 3 and summary["chunk_size"] == 20
+    with open_model(path) as src:
+        tokens = generate_samples(src, 3, 20, seed=0, dtype=resolve_calib_dtype("auto", torch.device("cpu")))
+        expected = compute_imatrix(src, tokens).importance()
+    got = read_imatrix(tmp_path / "im.gguf").importance()
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(torch.as_tensor(got[name]), torch.as_tensor(expected[name]))

@@ -6,9 +6,6 @@ take the model's most likely next token for the first few steps, then sample fro
 Like the generations Williams et al. 2025 ("Self-calibration for Language Model Quantization and
 Pruning") concatenate, each sample row packs several short documents (DOC_TOKENS each): more
 independent starts per token, and a shorter KV cache to generate them with.
-Three quarters of the documents start instead from an opening of another kind (dialogue through
-the model's chat template, code, math, other languages; `openings.py`), so the samples cover more
-than the prose a random start mostly leads to.
 A fixed seed makes the samples reproducible. Generation runs batched with a small KV cache.
 """
 
@@ -19,8 +16,6 @@ from collections.abc import Callable
 
 import torch
 
-from llmopt.calibration.openings import DIALOGUE, MIX, OPENINGS, RANDOM_TOKEN
-from llmopt.model.chat_template import apply_chat_template
 from llmopt.model.decoder import Decoder
 from llmopt.model.kv_cache import StaticKVCache
 from llmopt.model.source import ModelSource
@@ -70,22 +65,21 @@ def _generate_documents(source: ModelSource, ndocs: int, length: int, seed: int,
             allowed[i] = False
     candidates = torch.nonzero(allowed).flatten()
     gen = torch.Generator().manual_seed(seed)
-    starts, greedy_until = document_starts(source, ndocs, length, vocab, candidates, gen)
     out = torch.empty(ndocs, length, dtype=torch.int64)
     done_steps, total_steps = 0, -(-ndocs // batch_size) * (length - 1)
     for b0 in range(0, ndocs, batch_size):
         b = min(batch_size, ndocs - b0)
-        forced, greedy = starts[b0: b0 + b], greedy_until[b0: b0 + b]
-        ids = forced[:, :1].clone()
+        ids = candidates[torch.randint(0, candidates.numel(), (b,), generator=gen)].view(b, 1)
         seq = [ids]
         cache = StaticKVCache(arch, length, b, dtype, device)
         step_in = ids.to(device)
         for pos in range(length - 1):
             logits = model(step_in, start=pos, cache=cache)[:, -1].float().cpu()
             logits[:, ~allowed[: logits.shape[1]]] = -float("inf")
-            sampled = torch.multinomial(torch.softmax(logits / TEMPERATURE, dim=-1), 1, generator=gen).flatten()
-            nxt = torch.where(pos < greedy, logits.argmax(dim=-1), sampled)
-            nxt = torch.where(forced[:, pos + 1] >= 0, forced[:, pos + 1], nxt).view(b, 1)
+            if pos < GREEDY_STEPS:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                nxt = torch.multinomial(torch.softmax(logits / TEMPERATURE, dim=-1), 1, generator=gen)
             seq.append(nxt)
             step_in = nxt.to(device)
             done_steps += 1
@@ -94,43 +88,6 @@ def _generate_documents(source: ModelSource, ndocs: int, length: int, seed: int,
         out[b0: b0 + b] = torch.cat(seq, dim=1)
     del model
     return out
-
-
-def document_starts(source: ModelSource, ndocs: int, length: int, vocab: int, candidates: torch.Tensor,
-                    gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each document's forced first tokens ([ndocs, length], -1 where the model chooses) and the
-    position before which it takes its greedy choice ([ndocs]). Kinds are drawn by `MIX`'s shares:
-    a random-token start is one token then GREEDY_STEPS greedy ones (LLM-QAT), an opening is its
-    tokens (at most half the document) then sampling. A model without a tokenizer gets random starts."""
-    openings = opening_tokens(source, vocab, max_tokens=max(1, length // 2))
-    kinds = [k for k in MIX if k == RANDOM_TOKEN or openings.get(k)]
-    shares = torch.tensor([MIX[k] for k in kinds], dtype=torch.float64)
-    kind_of = torch.multinomial(shares, ndocs, replacement=True, generator=gen).tolist()
-    pick = torch.randint(0, 1 << 30, (ndocs,), generator=gen).tolist()
-    first = candidates[torch.randint(0, candidates.numel(), (ndocs,), generator=gen)].tolist()
-    forced = torch.full((ndocs, length), -1, dtype=torch.int64)
-    greedy_until = torch.zeros(ndocs, dtype=torch.int64)
-    for d, (k, p, t) in enumerate(zip(kind_of, pick, first)):
-        kind = kinds[k]
-        ids = [t] if kind == RANDOM_TOKEN else openings[kind][p % len(openings[kind])]
-        forced[d, : len(ids)] = torch.tensor(ids)
-        greedy_until[d] = GREEDY_STEPS if kind == RANDOM_TOKEN else 0
-    return forced, greedy_until
-
-
-def opening_tokens(source: ModelSource, vocab: int, max_tokens: int) -> dict[str, list[list[int]]]:
-    """The openings of each kind as token ids (dialogue through the model's chat template), those
-    longer than `max_tokens` or holding ids outside the embedding left out."""
-    tok = source.tokenizer()
-    if tok is None:
-        return {}
-    found: dict[str, list[list[int]]] = {}
-    for kind, texts in OPENINGS.items():
-        if kind == DIALOGUE:
-            texts = tuple(apply_chat_template(tok, q) if tok.chat_template else f"User: {q}\nAssistant:" for q in texts)
-        ids = [tok.encode(t) for t in texts]
-        found[kind] = [i for i in ids if 0 < len(i) <= max_tokens and max(i) < vocab]
-    return found
 
 
 def tokens_sha256(tokens: torch.Tensor) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 from llmopt.errors import InputError, OptionError
 from llmopt.options import GenerateOptions, LoadOptions, quantized_in_memory
-from llmopt.model.chat_template import apply_chat_template
+from llmopt.runtime.chat import apply_chat_template
 from llmopt.runtime.generate import GenerationResult, Generator, Metrics
 from llmopt.runtime.sampling import SamplingConfig
 from llmopt.runtime.self_speculative import LayerSkipDraft

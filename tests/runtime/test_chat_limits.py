@@ -7,7 +7,7 @@ import time
 import pytest
 
 from llmopt.errors import OptionError
-from llmopt.model.chat_template import apply_chat_template
+from llmopt.runtime.chat import apply_chat_template
 
 
 class _Tok:

@@ -6,9 +6,8 @@ Scoring texts (none of them calibration text):
   code      this Python's own standard library source (PSF licence; the files in CODE_MODULES)
   literary  the "songs-poems", "art" and "wisdom" files of Debian's `fortunes` package (verse and
             quotations; fetched with `apt-get download fortunes` when not given with --literary)
-Calibration sources: `self` (llmopt's default: documents the model writes, three quarters of them
-from the mix of openings in llmopt/calibration/openings.py) and wikitext-2 valid.txt; 128 × 512
-tokens, seed 0. Each output is scored by one `llmopt eval` per text against the float model
+Calibration sources: `self` (llmopt's default: documents the model writes from random first tokens)
+and wikitext-2 valid.txt; 128 × 512 tokens, seed 0 unless --seed. Each output is scored by one `llmopt eval` per text against the float model
 (ctx 512, 40 windows): perplexity, KL divergence, top-1 agreement.
 
   python benchmarks/calib_domains.py --offgrid

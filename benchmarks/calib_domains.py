@@ -67,13 +67,13 @@ def literary_text(work: Path, given: Path | None) -> Path:
 
 def gguf_files(src: Path, work: Path, gguf_type: str, calib: str, seed: int) -> list[tuple[str, float | None, str]]:
     """(name, seconds, path) of the imatrix file and the GPTQ file of `gguf_type` from one calibration,
-    128 × 512 tokens (the imatrix over as many chunks), made unless present."""
+    128 × 512 tokens (the imatrix over as many chunks; self-written ones are seed 0's), made unless present."""
     text = "self" if calib == "self" else str(DATA / "valid.txt")
     made = []
     imatrix, plain = work / f"domains-imatrix-{calib}-s{seed}.gguf", work / f"domains-{gguf_type}-imatrix-{calib}-s{seed}.gguf"
     gptq = work / f"domains-{gguf_type}-gptq-{calib}-s{seed}.gguf"
-    steps = {plain: [["imatrix", str(src), "--calib", text, "--chunks", "128", "-c", "512", "--seed", str(seed),
-                      "-o", str(imatrix), "--force"],
+    steps = {plain: [["imatrix", str(src), "--calib", text, "--chunks", "128", "-c", "512", "-o",
+                      str(imatrix), "--force"],
                      ["convert", str(src), "--to", "gguf", "--type", gguf_type, "--imatrix", str(imatrix), "-o", str(plain),
                       "--force"]],
              gptq: [["convert", str(src), "--to", "gguf", "--type", gguf_type, "--method", "gptq", "--calib", text,

@@ -31,6 +31,7 @@ from benchmarks.quality import DATA, kl_scores, run_llmopt, source_model, timed 
 CODE_MODULES = ("argparse.py", "json/decoder.py", "json/encoder.py", "collections/__init__.py", "difflib.py",
                 "textwrap.py", "csv.py", "heapq.py", "statistics.py", "fractions.py", "shutil.py", "tempfile.py")
 FORTUNE_FILES = ("songs-poems", "art", "wisdom")
+NSAMPLES, SEQLEN = 128, 512  # calibration tokens of every method (the imatrix: as many chunks of as many)
 METHODS = {
     "rtn": ["--method", "rtn", "--bits", "4", "--group-size", "128", "--asym"],
     "gptq": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--asym"],
@@ -48,9 +49,9 @@ def code_text(work: Path) -> Path:
 
 def literary_text(work: Path, given: Path | None) -> Path:
     """FORTUNE_FILES of Debian's fortunes package as one text, the "%" separators as blank lines."""
-    out = work / "text-literary.txt"
     if given is not None:
         return given
+    out = work / "text-literary.txt"
     root = work / "fortunes-deb"
     if not (root / "usr/share/games/fortunes").is_dir():
         root.mkdir(parents=True, exist_ok=True)
@@ -65,19 +66,24 @@ def literary_text(work: Path, given: Path | None) -> Path:
     return out
 
 
+def calib_source(calib: str) -> str:
+    """The `--calib` value of a calibration name: self-written text, or wikitext-2 valid.txt."""
+    return "self" if calib == "self" else str(DATA / "valid.txt")
+
+
 def gguf_files(src: Path, work: Path, gguf_type: str, calib: str, seed: int) -> list[tuple[str, float | None, str]]:
     """(name, seconds, path) of the imatrix file and the GPTQ file of `gguf_type` from one calibration,
     128 × 512 tokens (the imatrix over as many chunks; self-written ones are seed 0's), made unless present."""
-    text = "self" if calib == "self" else str(DATA / "valid.txt")
+    text = calib_source(calib)
     made = []
     imatrix, plain = work / f"domains-imatrix-{calib}-s{seed}.gguf", work / f"domains-{gguf_type}-imatrix-{calib}-s{seed}.gguf"
     gptq = work / f"domains-{gguf_type}-gptq-{calib}-s{seed}.gguf"
-    steps = {plain: [["imatrix", str(src), "--calib", text, "--chunks", "128", "-c", "512", "-o",
+    steps = {plain: [["imatrix", str(src), "--calib", text, "--chunks", str(NSAMPLES), "-c", str(SEQLEN), "-o",
                       str(imatrix), "--force"],
                      ["convert", str(src), "--to", "gguf", "--type", gguf_type, "--imatrix", str(imatrix), "-o", str(plain),
                       "--force"]],
              gptq: [["convert", str(src), "--to", "gguf", "--type", gguf_type, "--method", "gptq", "--calib", text,
-                     "--nsamples", "128", "--seqlen", "512", "--seed", str(seed), "-o", str(gptq), "--force"]]}
+                     "--nsamples", str(NSAMPLES), "--seqlen", str(SEQLEN), "--seed", str(seed), "-o", str(gptq), "--force"]]}
     for path, commands in steps.items():
         seconds = None
         if not path.is_file():
@@ -111,10 +117,9 @@ def main() -> None:
                 continue  # RTN reads no calibration
             name = "rtn" if method == "rtn" else f"{method}-{calib}"
             out = args.work / f"domains-{name}-s{args.seed}"
-            options = METHODS[method] + ([] if method == "rtn" else
-                                         ["--calib", "self" if calib == "self" else str(DATA / "valid.txt")])
+            options = METHODS[method] + ([] if method == "rtn" else ["--calib", calib_source(calib)])
             if not (out / "config.json").is_file():
-                runs[name] = run_llmopt(str(src), str(out), options, 128, 512, args.seed)["seconds"]
+                runs[name] = run_llmopt(str(src), str(out), options, NSAMPLES, SEQLEN, args.seed)["seconds"]
                 print(f"{name}: {runs[name]} s", flush=True)
             outputs[name] = str(out)
         for gguf_type in args.gguf_types:

@@ -11,8 +11,7 @@ import torch
 
 from llmopt.api.budget import check_memory, dry_run
 from llmopt.calibration.imatrix import chunk_tokens, compute_imatrix
-from llmopt.calibration.samples import token_stream
-from llmopt.calibration.self_text import generate_samples
+from llmopt.calibration.samples import CalibConfig, load_calibration, token_stream
 from llmopt.calibration.text import SELF, read_texts
 from llmopt.device import resolve_calib_dtype, resolve_device
 from llmopt.errors import OptionError
@@ -21,8 +20,6 @@ from llmopt.formats.imatrix import write_imatrix
 from llmopt.model import ModelSource, open_model
 from llmopt.options import ImatrixOptions
 from llmopt.plan.footprint import Workload
-
-SELF_CHUNKS = 128  # as many rows as quantize's --nsamples default
 
 
 def imatrix(model: str | Path, calib: str, output: str | Path, options: ImatrixOptions | None = None, *,
@@ -56,14 +53,13 @@ def plan_imatrix(model: str | Path, calib: str, options: ImatrixOptions | None =
 def _chunks(source: ModelSource, model: str | Path, calib: str, o: ImatrixOptions,
             generate_on: torch.device | None = None) -> torch.Tensor:  # fmt: skip
     """The calibration text as llama-imatrix chunks it: [chunks, ctx_size] token ids. `self`: the
-    samples `quantize --calib self --seed 0` takes (SELF_CHUNKS rows unless --chunks, written in the
-    calibration dtype of `generate_on`; zeros of their shape for a dry run)."""
+    samples `quantize --calib self --seed 0` takes (its default --nsamples rows unless --chunks, written in
+    the calibration dtype of `generate_on`; zeros of their shape for a dry run)."""
     if calib == SELF:
-        rows = o.chunks or SELF_CHUNKS
+        cfg = CalibConfig(SELF, nsamples=o.chunks or CalibConfig.nsamples, seqlen=o.ctx_size, seed=0)
         if generate_on is None:
-            return torch.zeros(rows, o.ctx_size, dtype=torch.int64)
-        dtype = resolve_calib_dtype("auto", generate_on)
-        return generate_samples(source, rows, o.ctx_size, seed=0, device=generate_on, dtype=dtype)
+            return torch.zeros(cfg.nsamples, cfg.seqlen, dtype=torch.int64)
+        return load_calibration(source, cfg, generate_on, resolve_calib_dtype("auto", generate_on))[0]
     tok = source.tokenizer()
     if tok is None:
         raise OptionError(f"{model}: has no tokenizer to read the calibration text with")

@@ -56,7 +56,7 @@ def _chunks(source: ModelSource, model: str | Path, calib: str, o: ImatrixOption
     samples `quantize --calib self --seed 0` takes (its default --nsamples rows unless --chunks, written in
     the calibration dtype of `generate_on`; zeros of their shape for a dry run)."""
     if calib == SELF:
-        cfg = CalibConfig(SELF, nsamples=o.chunks or CalibConfig.nsamples, seqlen=o.ctx_size, seed=0)
+        cfg = CalibConfig(SELF, o.calib_field, o.chunks or CalibConfig.nsamples, o.ctx_size, seed=0)
         if generate_on is None:
             return torch.zeros(cfg.nsamples, cfg.seqlen, dtype=torch.int64)
         return load_calibration(source, cfg, generate_on, resolve_calib_dtype("auto", generate_on))[0]

@@ -31,6 +31,10 @@ class CalibConfig:
     seqlen: int = 512
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if self.source == SELF and self.field is not None:
+            raise OptionError("<calib_field> applies to .jsonl and .parquet files")
+
 
 def token_stream(text: CalibText, encode: Callable[[str], list[int]], max_tokens: int | None = None) -> torch.Tensor:
     """Documents joined by blank lines and tokenized once, [n] int64 (capped near `max_tokens`)."""
@@ -73,8 +77,6 @@ def load_calibration(source: ModelSource, cfg: CalibConfig, device: torch.device
     if cfg.nsamples < 1 or cfg.seqlen < 2:
         raise OptionError(f"<nsamples> {cfg.nsamples} <seqlen> {cfg.seqlen}: need at least 1 sample of 2 tokens")
     if cfg.source == SELF:
-        if cfg.field is not None:
-            raise OptionError("<calib_field> applies to .jsonl and .parquet files")
         tokens = generate_samples(source, cfg.nsamples, cfg.seqlen, cfg.seed, device, on_step=on_step, dtype=dtype)
         info["sha256"] = tokens_sha256(tokens)
         return tokens, info

@@ -96,6 +96,7 @@ def test_existing_output_needs_force(llmopt_cli, tiny_ggufs, tmp_path):
 @pytest.mark.parametrize("make_args, expect", [
     (lambda model, tmp: ["imatrix", model, "--calib", tmp / "nowhere.txt", "-o", tmp / "im.gguf"], "nowhere.txt"),
     (lambda model, tmp: ["imatrix", tmp / "missing-model", "--calib", "self", "-o", tmp / "im.gguf"], "no such file"),
+    (lambda model, tmp: ["imatrix", model, "--calib", "self", "--field", "text", "-o", tmp / "im.gguf"], "--calib-field applies"),
 ])
 def test_imatrix_bad_input(llmopt_cli, tiny_models, tmp_path, make_args, expect):
     result = llmopt_cli(*make_args(tiny_models("llama"), tmp_path))

@@ -72,22 +72,28 @@ def calib_source(calib: str) -> str:
 
 
 def gguf_files(src: Path, work: Path, gguf_type: str, calib: str, seed: int) -> list[tuple[str, float | None, str]]:
-    """(name, seconds, path) of the imatrix file and the GPTQ file of `gguf_type` from one calibration,
-    128 × 512 tokens (the imatrix over as many chunks; self-written ones are seed 0's), made unless present."""
+    """(name, seconds, path) of three GGUF files from one calibration, 128 × 512 tokens, made unless present:
+    llama.cpp's way (an imatrix over as many chunks, self-written ones seed 0's, then the plain `gguf_type`
+    mix), `convert --method gptq` onto the same mix, and the automatic mix at the imatrix file's size
+    (`--target-size`, its 32 sensitivity samples from the same calibration) rounded by GPTQ."""
     text = calib_source(calib)
     made = []
     imatrix, plain = work / f"domains-imatrix-{calib}-s{seed}.gguf", work / f"domains-{gguf_type}-imatrix-{calib}-s{seed}.gguf"
     gptq = work / f"domains-{gguf_type}-gptq-{calib}-s{seed}.gguf"
-    steps = {plain: [["imatrix", str(src), "--calib", text, "--chunks", str(NSAMPLES), "-c", str(SEQLEN), "-o",
-                      str(imatrix), "--force"],
-                     ["convert", str(src), "--to", "gguf", "--type", gguf_type, "--imatrix", str(imatrix), "-o", str(plain),
-                      "--force"]],
-             gptq: [["convert", str(src), "--to", "gguf", "--type", gguf_type, "--method", "gptq", "--calib", text,
-                     "--nsamples", str(NSAMPLES), "--seqlen", str(SEQLEN), "--seed", str(seed), "-o", str(gptq), "--force"]]}
-    for path, commands in steps.items():
+    automix = work / f"domains-{gguf_type}-automix-{calib}-s{seed}.gguf"
+    calibrated = ["--calib", text, "--nsamples", str(NSAMPLES), "--seqlen", str(SEQLEN), "--seed", str(seed)]
+    steps = {plain: lambda: [["imatrix", str(src), "--calib", text, "--chunks", str(NSAMPLES), "-c", str(SEQLEN),
+                              "-o", str(imatrix), "--force"],
+                             ["convert", str(src), "--to", "gguf", "--type", gguf_type, "--imatrix", str(imatrix), "-o",
+                              str(plain), "--force"]],
+             gptq: lambda: [["convert", str(src), "--to", "gguf", "--type", gguf_type, "--method", "gptq", *calibrated,
+                             "-o", str(gptq), "--force"]],
+             automix: lambda: [["convert", str(src), "--to", "gguf", "--target-size", str(plain.stat().st_size),
+                                "--method", "gptq", *calibrated, "-o", str(automix), "--force"]]}
+    for path, commands in steps.items():  # in order: the automatic mix's target is the imatrix file's size
         seconds = None
         if not path.is_file():
-            seconds = sum(timed([sys.executable, "-m", "llmopt.cli.app", *c])["seconds"] for c in commands)
+            seconds = sum(timed([sys.executable, "-m", "llmopt.cli.app", *c])["seconds"] for c in commands())
             print(f"{path.name}: {seconds} s", flush=True)
         made.append((path.name.removeprefix("domains-").removesuffix(f"-s{seed}.gguf"), seconds, str(path)))
     return made
@@ -100,7 +106,8 @@ def main() -> None:
     ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--gguf-types", nargs="*", default=[], metavar="TYPE",
                     help="also GGUF files of these types: llama.cpp's way (an imatrix of the calibration, the plain "
-                         "mix) and `convert --method gptq`, both from the same calibration")
+                         "mix), `convert --method gptq` and the automatic mix at the imatrix file's size, all from "
+                         "the same calibration")
     ap.add_argument("--calibs", nargs="+", default=["self", "wikitext"], choices=["self", "wikitext"])
     ap.add_argument("--extra", nargs="*", default=[], metavar="NAME=DIR", help="outputs made elsewhere, scored too")
     ap.add_argument("--literary", type=Path, help="a literary text instead of the fortunes files")
@@ -143,8 +150,8 @@ def print_table(rows: dict, domains: list[str]) -> None:
     for name, r in rows.items():
         cells = ""
         for d in domains:
-            gain = 100 * (r[d]["ppl"] / rows["rtn"][d]["ppl"] - 1) if "rtn" in rows else float("nan")
-            cells += f" {r[d]['ppl']:16.3f} {gain:+6.2f}% {r[d]['kl']:8.5f}"
+            gain = f"{100 * (r[d]['ppl'] / rows['rtn'][d]['ppl'] - 1):+6.2f}%" if "rtn" in rows else ""
+            cells += f" {r[d]['ppl']:16.3f} {gain:>7} {r[d]['kl']:8.5f}"
         print(f"{name:24}{cells} {r['seconds'] or '':>8}")
     first = next(iter(rows.values()))
     print("float" + " " * 19 + "".join(f" {first[d]['float_ppl']:16.3f} {'':7} {'':8}" for d in domains))

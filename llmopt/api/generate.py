@@ -28,9 +28,10 @@ def load(model: str | Path, options: LoadOptions | None = None, *, device: str =
     `dtype` auto is float32 on CPU and bfloat16 on CUDA. A quantized model's weights (GGUF, GPTQ, AWQ,
     compressed-tensors) stay quantized in memory with `keep_quantized=True` or `compile`, are dequantized
     with `keep_quantized=False`, and by default stay quantized only where dequantized they would not fit
-    (runtime.weights.keep_quantized)."""
+    (runtime.weights.keep_quantized). Loaded for decoding: on CPU the float linears of a file whose weights
+    are not float32 hold them in float16 (runtime.weights.half_weights)."""
     o = LoadOptions.merged(options, kwargs)
-    return load_model(str(model), o.dtype, device, quantized_in_memory(o.keep_quantized, o.compile))
+    return load_model(str(model), o.dtype, device, quantized_in_memory(o.keep_quantized, o.compile), decode=True)
 
 
 def generate(model: str | Path | LoadedModel, prompt: str, options: GenerateOptions | None = None, *,

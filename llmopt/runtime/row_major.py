@@ -23,6 +23,14 @@ run noise), prefill of 128 tokens 250 ms against 300-400 (2 threads, AMD EPYC). 
 has oneDNN, float32 linears take that layout; a tied LM head keeps the slabs above, which the
 embedding lookup reads (a reordered weight has no rows to read, and a second copy would cost the
 vocabulary's bytes again).
+
+Decode reads every weight once a token, so a weight held in half the bytes streams in about half the
+time. Where a model's weights are not float32 to begin with (an F16/BF16 checkpoint, anything
+dequantized) and the runtime is decoding, linears hold them in float16 (`HalfLinear`): one to
+`HALF_PRODUCT_ROWS` rows go through torch's float16 matrix-vector product (float32 accumulation, as
+llama.cpp's F16 rows take float16 activations); more rows widen W to float32 tile by tile, as float16
+matrix products are several times slower than float32's on CPUs without float16 arithmetic. SmolLM2's
+default decode went from 27.6 to 53-54 tok/s (2 threads, AMD EPYC); see docs/bench.md.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import torch
 from torch import nn
 
 from llmopt.model.decoder import Decoder
+from llmopt.runtime.gguf_linear import tiled_linear
 
 CHUNK_WIDTH = 6144  # output columns per slab of a wide linear (measured best for the LM head on CPU)
 
@@ -137,10 +146,50 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_feat
     return x.new_empty(x.shape[0], out_features)
 
 
+HALF_PRODUCT_ROWS = 8  # rows up to which float16 products beat float32 tiles (decode, a batch, a draft's check)
+
+
+def half_products() -> bool:
+    """Whether torch's CPU kernels here are vectorized (float16 products run at the memory's speed);
+    without vector units a float16 product is slower than float32's."""
+    return torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+
+
+class HalfLinear(nn.Module):
+    """x · W^T with W held in float16 and everything around it float32 (see the module docstring). A few
+    rows are scaled by their largest magnitude before the float16 cast and back after, so no activation
+    or output overflows float16's range (65,504) and none underflows: the product's only rounding is
+    float16's on x and on y (relative 2^-11 each), its sums float32. More rows are exact: W widened."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.detach().to(torch.float16).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    @classmethod
+    def stacked(cls, linears: list[nn.Linear]) -> HalfLinear:
+        """One linear computing all of `linears` (same input) side by side in its output."""
+        return cls(*stack_linears(linears))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] > HALF_PRODUCT_ROWS:
+            return tiled_linear(x, self.out_features, self.in_features, self.column, self.bias)
+        scale = flat.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny)
+        y = torch.nn.functional.linear((flat / scale).to(torch.float16), self.weight).to(x.dtype).mul_(scale)
+        y = y if self.bias is None else y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def column(self, index: torch.Tensor | slice) -> torch.Tensor:
+        """Rows `index` of W [out, in], float32 (a tied embedding's lookup; the wide product's tiles)."""
+        return self.weight[index].float()
+
+
 class TiedEmbedding(nn.Module):
     """The embedding lookup read from the LM head's stored weight (rows of W are its columns)."""
 
-    def __init__(self, head: RowMajorLinear):
+    def __init__(self, head: RowMajorLinear | HalfLinear):
         super().__init__()
         self.head = head
 
@@ -168,10 +217,12 @@ def fuse_shared_inputs(model: Decoder, fuse: Callable[[list[nn.Module]], nn.Modu
                 after_each()
 
 
-def use_row_major_linears(model: Decoder, width: int = CHUNK_WIDTH, onednn: bool | None = None) -> Decoder:
-    """Swap every float nn.Linear of `model` (in place) for a OneDNNLinear where torch has oneDNN for
-    its dtype (`onednn` forces either way), a RowMajorLinear otherwise and for a tied LM head, whose
-    weight the embedding lookup shares; q/k/v and gate/up fused where all of them are float linears."""
+def use_row_major_linears(model: Decoder, width: int = CHUNK_WIDTH, onednn: bool | None = None,
+                          half: bool = False) -> Decoder:
+    """Swap every float nn.Linear of `model` (in place) for a HalfLinear with `half` (a decoding model
+    whose weights are not float32 to begin with), else for a OneDNNLinear where torch has oneDNN for its
+    dtype (`onednn` forces either way), a RowMajorLinear otherwise and for a tied LM head, whose weight the
+    embedding lookup shares; q/k/v and gate/up fused where all of them are float linears."""
     tied = model.lm_head.weight is model.embed_tokens.weight or (
         model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr())
     if onednn is None:
@@ -180,17 +231,21 @@ def use_row_major_linears(model: Decoder, width: int = CHUNK_WIDTH, onednn: bool
     def fuse(linears: list[nn.Module]) -> nn.Module | None:
         if not all(isinstance(m, nn.Linear) for m in linears):
             return None
+        if half:
+            return HalfLinear.stacked(linears)
         return OneDNNLinear.stacked(linears) if onednn else RowMajorLinear.stacked(linears, width)
 
     fuse_shared_inputs(model, fuse)
-    for name, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear):
-            parent, _, child = name.rpartition(".")
-            if not onednn or (tied and name == "lm_head"):
-                swapped = RowMajorLinear(module, width)
-            else:
-                swapped = OneDNNLinear(module.weight, module.bias)
-            setattr(model.get_submodule(parent) if parent else model, child, swapped)
+    for name in [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]:  # (names: no module held)
+        module = model.get_submodule(name)
+        parent, _, child = name.rpartition(".")
+        if half:
+            swapped = HalfLinear(module.weight, module.bias)
+        elif not onednn or (tied and name == "lm_head"):
+            swapped = RowMajorLinear(module, width)
+        else:
+            swapped = OneDNNLinear(module.weight, module.bias)
+        setattr(model.get_submodule(parent) if parent else model, child, swapped)
     if tied:
         model.embed_tokens = TiedEmbedding(model.lm_head)
     return model

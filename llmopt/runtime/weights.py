@@ -31,7 +31,7 @@ from llmopt.model.ggml_types import GGMLQuantType
 from llmopt.runtime.arena import pack_contiguously
 from llmopt.runtime.gguf_linear import QuantizedEmbedding, raw_rows, stacked
 from llmopt.runtime.linear import RowSource, Weight, has_module, quantized_module
-from llmopt.runtime.row_major import fuse_shared_inputs, use_row_major_linears
+from llmopt.runtime.row_major import fuse_shared_inputs, half_products, use_row_major_linears
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -55,12 +55,15 @@ class LoadedModel:
     device: torch.device
 
 
-def load_model(spec: str, dtype: str = "auto", device: str = "auto", quantized: bool | None = None) -> LoadedModel:
-    """Open `spec` and build the runtime model on `device` in `dtype` (`quantized`: see build_decoder)."""
+def load_model(spec: str, dtype: str = "auto", device: str = "auto", quantized: bool | None = None,
+               decode: bool = False) -> LoadedModel:
+    """Open `spec` and build the runtime model on `device` in `dtype` (`quantized`: see build_decoder);
+    `decode`: for generating (not scoring), where `half_weights` may hold the float linears in float16."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     with open_model(spec) as source:
-        model = build_decoder(source, dt, dev, quantized)
+        half = decode and dtype == "auto" and half_weights(source, dev)
+        model = build_decoder(source, dt, dev, quantized, half=half)
         tok = source.tokenizer()
         return LoadedModel(model, tok, source.kind, str(source.path), dt, dev)
 
@@ -72,21 +75,32 @@ def check_readable(source: ModelSource) -> None:
         raise InputError(f"{source.path}: {method} checkpoints are not supported by the runtime")
 
 
+def half_weights(source: ModelSource, device: torch.device) -> bool:
+    """Whether a decoding model's float linears (float32 model, `--dtype auto`, CPU) hold their weights in
+    float16 (row_major.HalfLinear): where no 2-D tensor of the file is stored in float32 (a float32
+    checkpoint keeps its weights exact; F16 ones are held exactly, BF16 ones exactly but below float16's
+    normal range, dequantized ones rounded to float16, 2^-11 relative) and torch's CPU kernels are
+    vectorized. Decode streams half the bytes: SmolLM2 27.6 -> 53-54 tok/s; prefill and `eval` (many rows)
+    are unchanged in arithmetic, W widened to float32 tile by tile (docs/bench.md)."""
+    return device.type == "cpu" and half_products() and not any(
+        info.dtype in ("F32", "F64") for info in source.tensors.values() if len(info.shape) == 2)
+
+
 def build_decoder(source: ModelSource, dtype: torch.dtype, device: torch.device,
-                  quantized: bool | None = None) -> Decoder:
+                  quantized: bool | None = None, half: bool = False) -> Decoder:
     """Float tensors load in the dtype. A weight stored in a form the registry knows (runtime/linear.py:
     GPTQ, AWQ and compressed-tensors layers, GGUF types) stays in it where `quantized` says so (None:
     `keep_quantized` decides) and a candidate fits (a bfloat16 model's 4-bit layers on the int4 kernel, the
     other packed layers as bit planes, GGUF in its type's fields); otherwise it is dequantized. On CPU, float
-    linears take the row-major layout that streams weights fastest (see row_major.py), and the weights then
-    move into one contiguous block (arena.py)."""
+    linears take the row-major layout that streams weights fastest (see row_major.py; with `half`, their
+    weights held in float16), and the weights then move into one contiguous block (arena.py)."""
     check_readable(source)
     keep = keep_quantized(source, dtype, device) if quantized is None else quantized
     model = assemble(source, dtype, device, keep)
     if device.type != "cpu":
         return model
     if isinstance(model.lm_head, nn.Linear) and isinstance(model.embed_tokens, nn.Embedding):
-        model = use_row_major_linears(model)  # it shares a tied head's float weight with the lookup
+        model = use_row_major_linears(model, half=half)  # it shares a tied head's float weight with the lookup
     pack_contiguously(model)
     return model
 

@@ -191,7 +191,7 @@ def _make_engine(model: str, name: str, dtype: str, device: str, threads: int, k
     from llmopt.runtime.weights import load_model, set_threads
 
     set_threads(threads)
-    loaded = load_model(model, dtype, device, quantized_in_memory(keep_quantized, compile))
+    loaded = load_model(model, dtype, device, quantized_in_memory(keep_quantized, compile), decode=True)
     return LlmoptEngine(loaded, compile=compile)
 
 

@@ -13,6 +13,7 @@ and wikitext-2 valid.txt; 128 × 512 tokens, seed 0 unless --seed. Each output i
   python benchmarks/calib_domains.py --offgrid
   python benchmarks/calib_domains.py --offgrid --methods --gguf-types Q4_K_M --calibs self  # GGUF rows only
   python benchmarks/calib_domains.py --offgrid --extra gptq-self-random=/tmp/old/gptq  # outputs made elsewhere
+  python benchmarks/calib_domains.py --offgrid --methods rtn gptq --calibs wikitext --damps 0.1 0.3  # GPTQ's damping
 """
 
 from __future__ import annotations
@@ -113,18 +114,21 @@ def main() -> None:
     ap.add_argument("--literary", type=Path, help="a literary text instead of the fortunes files")
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--damps", nargs="*", type=float, default=[],
+                    help="also GPTQ at these --damp values (regularization out of domain; the default is 0.01)")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     src = source_model(args.work, args.offgrid)
     texts = {"prose": DATA / "test.txt", "code": code_text(args.work), "literary": literary_text(args.work, args.literary)}
     outputs, runs = {}, {}
     for calib in args.calibs:
-        for method in args.methods:
+        variants = [(m, m, []) for m in args.methods] + [("gptq", f"gptq-d{d:g}", ["--damp", str(d)]) for d in args.damps]
+        for method, label, extra in variants:
             if method == "rtn" and calib != args.calibs[0]:
                 continue  # RTN reads no calibration
-            name = "rtn" if method == "rtn" else f"{method}-{calib}"
+            name = "rtn" if method == "rtn" else f"{label}-{calib}"
             out = args.work / f"domains-{name}-s{args.seed}"
-            options = METHODS[method] + ([] if method == "rtn" else ["--calib", calib_source(calib)])
+            options = METHODS[method] + extra + ([] if method == "rtn" else ["--calib", calib_source(calib)])
             if not (out / "config.json").is_file():
                 runs[name] = run_llmopt(str(src), str(out), options, NSAMPLES, SEQLEN, args.seed)["seconds"]
                 print(f"{name}: {runs[name]} s", flush=True)

@@ -18,15 +18,17 @@ SHAPES = [(1536, 576), (576, 1536), (49152, 576), (8192, 2048), (2048, 8192)]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def time_linear(n: int, k: int, dtype: torch.dtype) -> float:
-    """Mean seconds per call of x[1, k] @ w[n, k]ᵀ, over about 2 GB of weight reads after a warm-up."""
-    w, x = torch.randn(n, k).to(dtype), torch.randn(1, k).to(dtype)
-    for _ in range(20):
+def time_linear(n: int, k: int, dtype: torch.dtype, resident: int = 512 << 20) -> float:
+    """Mean seconds per call of x[1, k] @ w[n, k]ᵀ, cycling through distinct weights of `resident` bytes in
+    all (more than any cache holds, as a model's layers are), about 2 GB of weight reads after a warm-up."""
+    count = max(2, -(-resident // (n * k * dtype.itemsize)))
+    ws, x = [torch.randn(n, k).to(dtype) for _ in range(count)], torch.randn(1, k).to(dtype)
+    for w in ws:
         F.linear(x, w)
-    reps = max(20, int(2e9 // (n * k * dtype.itemsize)))
+    reps = max(count, int(2e9 // (n * k * dtype.itemsize)))
     start = time.perf_counter()
-    for _ in range(reps):
-        F.linear(x, w)
+    for i in range(reps):
+        F.linear(x, ws[i % count])
     return (time.perf_counter() - start) / reps
 
 

@@ -30,7 +30,7 @@ dequantized) and the runtime is decoding, linears hold them in float16 (`HalfLin
 `HALF_PRODUCT_ROWS` rows go through torch's float16 matrix-vector product (float32 accumulation, as
 llama.cpp's F16 rows take float16 activations); more rows widen W to float32 tile by tile, as float16
 matrix products are several times slower than float32's on CPUs without float16 arithmetic. SmolLM2's
-default decode went from 27.6 to 53-54 tok/s (2 threads, AMD EPYC); see docs/bench.md.
+default decode of its F16 file went from 27.9 to 48.1 tok/s (2 threads, AMD EPYC; docs/bench.md).
 """
 
 from __future__ import annotations

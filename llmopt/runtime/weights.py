@@ -80,8 +80,9 @@ def half_weights(source: ModelSource, device: torch.device) -> bool:
     float16 (row_major.HalfLinear): where no 2-D tensor of the file is stored in float32 (a float32
     checkpoint keeps its weights exact; F16 ones are held exactly, BF16 ones exactly but below float16's
     normal range, dequantized ones rounded to float16, 2^-11 relative) and torch's CPU kernels are
-    vectorized. Decode streams half the bytes: SmolLM2 27.6 -> 53-54 tok/s; prefill and `eval` (many rows)
-    are unchanged in arithmetic, W widened to float32 tile by tile (docs/bench.md)."""
+    vectorized. Decode streams half the bytes: SmolLM2 F16 27.9 -> 48.1 tok/s. A prompt's rows stay float32
+    arithmetic, W widened tile by tile, but 27-46% slower than oneDNN's reordered float32 weights, so
+    `eval` (prompts only) does not load this way (docs/bench.md)."""
     return device.type == "cpu" and half_products() and not any(
         info.dtype in ("F32", "F64") for info in source.tensors.values() if len(info.shape) == 2)
 

@@ -44,13 +44,15 @@ def pack_contiguously(model: nn.Module) -> int:
             total += -(-t.numel() // step) * step
         offsets.append(placed[key])
     block, start = _huge_page_block(total, dtype)
-    for (module, name, t), off in zip(tensors, offsets):
+    for i, off in enumerate(offsets):
+        (module, name, t), tensors[i] = tensors[i], None  # (the list lets go: each original is freed once moved)
         view = block[start + off: start + off + t.numel()].view(t.shape)
         view.copy_(t)  # (a tied tensor is copied twice onto the same place)
         if isinstance(t, nn.Parameter):
             module._parameters[name] = nn.Parameter(view, requires_grad=t.requires_grad)
         else:
             module._buffers[name] = view
+        del t
     return total * size
 
 

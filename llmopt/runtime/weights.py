@@ -97,7 +97,7 @@ def build_decoder(source: ModelSource, dtype: torch.dtype, device: torch.device,
     weights held in float16), and the weights then move into one contiguous block (arena.py)."""
     check_readable(source)
     keep = keep_quantized(source, dtype, device) if quantized is None else quantized
-    model = assemble(source, dtype, device, keep)
+    model = assemble(source, dtype, device, keep, half_linears=half and not keep)
     if device.type != "cpu":
         return model
     if isinstance(model.lm_head, nn.Linear) and isinstance(model.embed_tokens, nn.Embedding):
@@ -127,15 +127,22 @@ def device_memory(device: torch.device) -> int:
     return available_memory()
 
 
-def assemble(source: ModelSource, dtype: torch.dtype, device: torch.device, keep: bool) -> Decoder:
+def assemble(source: ModelSource, dtype: torch.dtype, device: torch.device, keep: bool,
+             half_linears: bool = False) -> Decoder:
     """The one decoder assembly. Float tensors load as floats; with `keep`, each weight stored in a form the
     registry knows is asked for its module (`_place`), one at a time, the file's pages and the temporaries'
-    heap pages handed back after each; then linears that read one input are stacked."""
+    heap pages handed back after each; then linears that read one input are stacked. `half_linears` (every
+    weight loaded as floats, to become HalfLinears): the linears' weights, a tied head's table included, are
+    read straight into float16, so the load never holds them in float32."""
     with torch.device("meta"):
         model = Decoder(source.arch)
-    stored = {n: f for n in source.tensors if keep and has_module(f := stored_form(source, n))}
-    state = {hf_to_param_name(n): _float(source, n, dtype, device) for n in source.tensors if n not in stored}
     tied = head_tied(source)
+    halved = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)} if half_linears else set()
+    if halved and tied:
+        halved.add("embed_tokens.weight")
+    stored = {n: f for n in source.tensors if keep and has_module(f := stored_form(source, n))}
+    state = {p: _float(source, n, torch.float16 if p in halved else dtype, device)
+             for n in source.tensors if n not in stored for p in [hf_to_param_name(n)]}
     if tied and "embed_tokens.weight" in state:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state, strict=False, assign=True)

@@ -96,3 +96,20 @@ def test_smollm2_decodes_the_same_greedy_text_with_float16_weights(smollm2_gguf)
         assert ours == Generator(exact.model, tok).generate(ids, 32, ignore_eos=True).token_ids, prompt
         a, b = decode_logits(half.model, ids + ours), decode_logits(exact.model, ids + ours)
         assert (a - b).abs().max() <= 5e-3 * b.abs().max()  # (measured 1.8e-3 on this text)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_the_assembly_reads_linear_weights_straight_into_float16(tiny_ggufs, tie: bool):
+    """Before the layout step, every linear's weight (a tied head's table too) is already float16, the rest
+    float32: the load never holds the linears in float32 (its peak is the float16 model plus one tensor)."""
+    from torch import nn
+
+    from llmopt.model import open_model
+    from llmopt.runtime.weights import assemble
+
+    with open_model(str(tiny_ggufs("llama", "Q8_0", tie))) as src:
+        model = assemble(src, torch.float32, torch.device("cpu"), keep=False, half_linears=True)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(m.weight.dtype == torch.float16 for m in linears)
+    assert (model.embed_tokens.weight.dtype == torch.float16) == tie
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "norm" in n)

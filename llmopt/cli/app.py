@@ -22,6 +22,7 @@ from llmopt.cli.flags import flag
 from rich.markup import escape
 
 from llmopt.errors import LlmoptError, OptionError
+from llmopt.memory import memory_limits_text  # here, not in the handler: an import can fail once memory is gone
 
 # The command table: each command's module and function (or sub-app), in --help order. A command
 # line imports only the command it names (every command for --help, none for --version), so
@@ -135,8 +136,6 @@ def _out_of_memory(command: str | None) -> int:
     """One line for a run the OS refused memory mid-way (the check before work passed: another process
     took the room, or a ulimit the check does not read): what bounds it and what lowers it."""
     _discard_unfinished()
-    from llmopt.memory import memory_limits_text
-
     lever = _MEMORY_LEVERS.get(command or "", "smaller inputs")
     message = OptionError(f"out of memory ({memory_limits_text()}); lower what one call holds: {lever}").render(flag)
     err.print(f"[bold red]error:[/] {escape(message)}", markup=True, soft_wrap=True)

@@ -323,7 +323,9 @@ class ImatrixOptions(CalibFieldOptions):
 # ------------------------------------------------------------------------------ the runtime's commands
 @_options
 class DtypeOptions(Options):
-    dtype: str = option("auto", "auto | float32 | float16 | bfloat16 (auto: float32 on CPU, bfloat16 on CUDA).",
+    dtype: str = option("auto", "auto | float32 | float16 | bfloat16 (auto: float32 on CPU, bfloat16 on CUDA; on CPU "
+                                "generate and bench hold the linears of a file not stored in float32 in float16, "
+                                "float32 keeps them float32).",
                         choices=("auto", *FLOAT_DTYPES))  # fmt: skip
 
 
